@@ -1,0 +1,101 @@
+"""Request, Sequence and the outputs handed back to callers.
+
+A Request holds n Sequences (one per sample). Only sample 0 is scheduled for the prompt; when
+its prefill completes, the others are forked from it and share its pages (copy-on-write), so
+the prompt is computed and stored once. After that every Sequence is scheduled on its own.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ridge.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    UNBORN = "unborn"        # sample > 0 of a request, waiting for sample 0's prefill to fork from
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: "Request"
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # hash chain of full pages computed so far
+    finish_reason: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    text: str = ""
+    detokenizer: object = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestOutput":
+        outs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason,
+                                 list(s.logprobs) if s.logprobs is not None else None) for s in req.seqs]
+        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished)

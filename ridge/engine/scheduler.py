@@ -1,0 +1,134 @@
+"""Continuous batching: each step picks which sequences run and how many tokens each computes.
+
+Policy, per step, under a token budget (`max_num_batched_tokens`) and a seat limit
+(`max_num_seqs`):
+  1. running sequences first, oldest first: a decode needs one token; an unfinished prefill
+     takes its next chunk of the budget. If the pool has no page for one, the most recently
+     admitted running sequence is preempted (its pages freed; it is recomputed later, which
+     gives the same output) until the pages are there;
+  2. then waiting sequences, in arrival order (preempted ones first), each starting after its
+     prefix-cache hits, as long as budget, seats and pages last. A long prompt is admitted with
+     as much of it as the budget allows and continues next step (chunked prefill), so it shares
+     steps with the running decodes instead of stalling them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ridge.engine.block_manager import BlockManager
+from ridge.engine.request import Request, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while self.blocks.blocks_needed(seq, n) > self.blocks.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                break
+            self.blocks.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.block_copies = self.blocks.take_pending_copies()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # a request with n samples forks into n running sequences once its prompt is done
+            seats = 1 if seq.sample_index or seq.num_output_tokens else seq.request.params.n
+            if len(self.running) + seats > self.max_num_seqs:
+                break
+            hits = self.blocks.match_prefix(seq)
+            computed = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if self.blocks.blocks_needed(seq, n, hits) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.take_hits(seq, hits)
+            self.blocks.allocate(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def add_forked(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort_request(self, req: Request) -> None:
+        for seq in req.seqs:
+            if seq.status != SeqStatus.FINISHED:
+                self.finish(seq, "abort")

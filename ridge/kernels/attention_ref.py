@@ -1,0 +1,64 @@
+"""Pure-torch paged attention: the CPU backend and the oracle every attention kernel must match.
+
+Layout of one layer's cache (a page = `block_size` consecutive token slots):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token's slot is `block_id * block_size + offset`, so `cache.view(-1, kvh, d)[slot]` is its row.
+A page is then one contiguous `block_size * kvh * d` run: a decode kernel reads whole pages with
+wide, coalesced loads, and a slot write touches one row.
+
+The batch is flat: sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`, which
+are the *last* q_len tokens of its `seq_lens[i]` context tokens (earlier ones are already in the
+cache: a prefix-cache hit, an earlier prefill chunk or earlier decode steps). A decode row is the
+case q_len == 1; prefill chunks and decodes share one batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from ridge.kernels.attention_meta import AttentionMetadata
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter the new tokens' K/V rows ([T, kvh, d]) into their cache slots."""
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of q ([T, H, d]) over each sequence's paged context; returns [T, H, d].
+
+    Gathers each sequence's pages, then a masked softmax in float32. Quadratic memory per
+    sequence: this is the readable reference, not the fast path.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_cpu
+    for i, ctx_len in enumerate(meta.seq_lens_cpu):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        n_pages = (ctx_len + block_size - 1) // block_size
+        pages = meta.block_tables[i, :n_pages].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        # GQA: query head h reads kv head h // group.
+        k = k.float().repeat_interleave(group, dim=1)          # [ctx, H, d]
+        v = v.float().repeat_interleave(group, dim=1)
+        qi = q[q_lo:q_hi].float()                                # [q_len, H, d]
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale     # [H, q_len, ctx]
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+        k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+        masked = k_pos > q_pos
+        if sliding_window is not None:
+            masked |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,23 @@
+"""Triton paged-attention backend: pick the decode or the prefill kernel for one flat batch."""
+from __future__ import annotations
+
+import torch
+
+from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.decode_attention import decode_attention
+from ridge.kernels.prefill_attention import prefill_attention
+
+
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float,
+                           sliding_window: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as attention_ref.paged_attention_ref (K/V of the new tokens already cached).
+
+    A decode-only batch (every q_len <= 1) goes to the split-KV decode kernel, whose GQA packing
+    and context splitting suit one query row per sequence; anything with a longer chunk goes to
+    the prefill kernel, which also serves the batch's decode rows. `out` ([T, H, d]) is optional.
+    """
+    if meta.max_query_len <= 1:
+        return decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out)
+    return prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out)

@@ -1,0 +1,196 @@
+"""Decode attention (one query token per sequence) over the paged KV cache: split-KV flash-decoding.
+
+Decode is memory bound: every K/V byte of the context is read once per step, the FLOPs are tiny.
+Two choices make the kernel stream at HBM speed:
+
+* GQA packing. One program serves one kv head and *all* of its query heads: the group's G query
+  rows form the M side of tl.dot (padded to >= 16 rows, the smallest tensor-core tile), so each
+  K/V tile is loaded once for G heads instead of G times, and the dot runs on tensor cores
+  instead of as scalar FMAs.
+* Split-KV. batch * kv_heads programs alone cannot fill 132 SMs when the batch is small (B=1,
+  8 kv heads = 8 programs). Each sequence's context is cut into num_splits ranges handled by
+  independent programs, each writing a partial (normalised) output plus its log-sum-exp; a
+  small second kernel merges the splits with the usual rescale-by-exp(lse - max) rule.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 256   # below this the merge and the pipeline prologue cost more than they save
+
+
+def _configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    # Deep pipelines (3-4 stages of cp.async) keep enough bytes in flight per SM to cover HBM
+    # latency; 4 warps suffice because the per-tile math is a thin [16..64, N] x [N, d] GEMM.
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bn, w, s in ((32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3),
+                             (128, 8, 3), (64, 8, 4))]
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT"])
+@triton.jit
+def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_loc, seq_lens,
+                         qk_scale, window, num_splits,
+                         stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) == q_row:  # padding slot: no query this step
+        return
+    ctx_len = tl.load(seq_lens + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx_len - window, 0)
+    # Tiles stay aligned to BLOCK_N (a multiple of the page) so a tile covers whole pages.
+    lo_tile = lo // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx_len - lo_tile, num_splits), BLOCK_N) * BLOCK_N
+    start = lo_tile + split * chunk
+    end = tl.minimum(start + chunk, ctx_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_h
+    h_ok = offs_h < GROUP
+    q = tl.load(Q + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None], other=0.0)
+    bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    K_h = K + kv_head * stride_kh
+    V_h = V + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        k_idx = start_n + offs_n
+        k_ok = k_idx < end
+        if SLIDING:
+            k_ok = k_ok & (k_idx >= lo)
+        page = tl.load(bt_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
+        row = (k_idx % PAGE).to(tl.int64)
+        k = tl.load(K_h + page[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
+                    mask=k_ok[:, None], other=0.0)
+        v = tl.load(V_h + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
+                    mask=k_ok[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
+        qk = tl.where(k_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile may be fully masked
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if DIRECT:  # a single split: no merge pass, write the final output
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=h_ok[:, None])
+    else:
+        # Empty split (start >= end): out = 0 and lse = -inf, so the merge gives it zero weight.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+        tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
+        tl.store(Lse + part, lse, mask=h_ok)
+
+
+@triton.jit
+def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) == q_row:
+        return
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
+    lse = tl.load(Lse + part, mask=s_ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    o = tl.load(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough programs for ~4 resident CTAs per SM, but no split shorter than 256 keys."""
+    if device.type != "cuda" or _INTERPRET:
+        return max(1, min(3, triton.cdiv(max_seq_len, 32)))  # small and odd: exercises the merge
+    target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    splits = triton.cdiv(target, max(1, batch * num_kv_heads))
+    return max(1, min(splits, _MAX_SPLITS, max_seq_len // _MIN_KEYS_PER_SPLIT))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                     out: torch.Tensor | None = None, num_splits: int | None = None,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence (q [B, H, d], meta.max_query_len <= 1).
+
+    `workspace` = (o_part float32 with >= B*H*num_splits*d elements, lse float32 with >=
+    B*H*num_splits elements) lets a caller (e.g. a CUDA graph) preallocate the split buffers.
+    """
+    if meta.max_query_len > 1:
+        raise ValueError("decode_attention needs max_query_len <= 1; use prefill_attention")
+    _check_inputs(q, k_cache, sliding_window)
+    q = _last_dim_contiguous(q)
+    k_cache, v_cache = _last_dim_contiguous(k_cache), _last_dim_contiguous(v_cache)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    batch = meta.num_seqs
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0 or batch == 0:
+        return out
+    seq_span = min(meta.max_seq_len, sliding_window) if sliding_window else meta.max_seq_len
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, seq_span, q.device)
+    n_part = batch * num_heads * num_splits
+    if num_splits == 1:
+        o_part = lse = out  # unused placeholders
+    elif workspace is not None:
+        o_part, lse = workspace[0].view(-1)[: n_part * head_dim], workspace[1].view(-1)[:n_part]
+    else:
+        o_part = torch.empty(n_part * head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(n_part, dtype=torch.float32, device=q.device)
+    bt = meta.block_tables
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
+        scale * _LOG2E, sliding_window or 0, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        SLIDING=sliding_window is not None, DIRECT=num_splits == 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if num_splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            out, o_part, lse, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+    return out

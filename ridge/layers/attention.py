@@ -1,0 +1,54 @@
+"""The one attention interface the model calls: write the new K/V into the paged cache, then
+attend over each sequence's pages. The backend is picked once, by device: the pure-torch
+reference on the CPU, ridge's Triton kernels on CUDA where they exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.attention_ref import paged_attention_ref, write_kv_ref
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    write_kv: Callable
+    attend: Callable
+
+
+TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, paged_attention_ref)
+
+
+def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TORCH_BACKEND
+    if name in ("auto", "triton"):
+        try:
+            from ridge.kernels.attention_triton import triton_paged_attention
+            from ridge.kernels.kv_write import write_kv
+        except ImportError:
+            if name == "triton":
+                raise
+            return TORCH_BACKEND
+        return AttentionBackend("triton", write_kv, triton_paged_attention)
+    raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+
+    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)

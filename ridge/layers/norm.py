@@ -1,0 +1,31 @@
+"""RMSNorm, with the residual add folded in.
+
+`forward(x, residual)` returns `(norm(x + residual), x + residual)`: the decoder's two
+"add residual, then normalise" points become one call, which a fused kernel later serves with
+one read of x and residual and one write of each output. The arithmetic follows transformers
+(normalise in float32, scale in the input dtype) so float32 logits match it to rounding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        residual = x + residual
+        return rms_norm_ref(residual, self.weight, self.eps), residual

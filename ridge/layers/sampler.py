@@ -1,0 +1,101 @@
+"""Token sampling for a batch of rows, each with its own parameters.
+
+Randomness is counter-based: the uniform number for (row seed, output index, token id) is a
+hash of the three, so a seeded request draws the same numbers whether it runs alone, in a batch,
+or after a preemption, on the CPU or on the GPU, and no generator state lives anywhere.
+Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
+probability p_i exactly, in one pass and without a cumulative sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply), on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, token id)."""
+    row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) + steps * 0x9E3779B1) & _MASK32))
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix32((row[:, None] + idx * 0x85EBCA77) & _MASK32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors on the logits' device."""
+    temperature: torch.Tensor      # [N] float32, 0 = greedy
+    top_k: torch.Tensor            # [N] int64, vocab = off
+    top_p: torch.Tensor            # [N] float32
+    min_p: torch.Tensor            # [N] float32
+    seeds: torch.Tensor            # [N] int64
+    steps: torch.Tensor            # [N] int64: index of the token being sampled in its sequence's output
+    presence_penalty: torch.Tensor     # [N] float32
+    frequency_penalty: torch.Tensor    # [N] float32
+    repetition_penalty: torch.Tensor   # [N] float32
+    output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (None: no penalties)
+    seen_mask: torch.Tensor | None      # [N, V] bool: token in prompt or output (repetition penalty)
+    banned: torch.Tensor | None         # [N, V] bool: tokens not allowed yet (min_tokens)
+    max_logprobs: int                   # 0: no row wants logprobs
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.seen_mask is not None:
+        rp = b.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(b.seen_mask, penalised, logits)
+    if b.output_counts is not None:
+        logits = logits - b.frequency_penalty[:, None] * b.output_counts
+        logits = logits - b.presence_penalty[:, None] * (b.output_counts > 0).float()
+    if b.banned is not None:
+        logits = logits.masked_fill(b.banned, float("-inf"))
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = rank >= b.top_k[:, None]
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= (sorted_p.cumsum(-1) - sorted_p) >= b.top_p[:, None]
+    drop |= sorted_p < b.min_p[:, None] * sorted_p[:, :1]
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch):
+    """logits [N, V] float32 -> (token ids [N], logprob info or None).
+
+    Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
+    reports them: for each row, the sampled token's log-probability and rank, and the top-k.
+    """
+    raw = logits
+    logits = apply_penalties(logits, b)
+    greedy = b.temperature == 0
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
+        probs = filter_probs(torch.softmax(logits / temp[:, None], dim=-1), b)
+        noise = -torch.log(uniform_noise(b.seeds, b.steps, logits.shape[-1]))
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    info = None
+    if b.max_logprobs >= 0:
+        logp = torch.log_softmax(raw, dim=-1)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        rank = (logp > chosen[:, None]).sum(-1) + 1
+        top_v, top_i = logp.topk(b.max_logprobs, dim=-1) if b.max_logprobs else (None, None)
+        info = (chosen, rank, top_v, top_i)
+    return tokens, info

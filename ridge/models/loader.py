@@ -1,0 +1,113 @@
+"""Build a model from an HF checkpoint directory, streaming tensors from safetensors.
+
+Parameters are allocated once, uninitialised, on the target device and dtype; each checkpoint
+tensor is then read (memory-mapped by safetensors, so at most one shard is mapped at a time)
+and copied straight into its slot. Nothing is copied twice and no full state dict is built.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ridge.config import ModelConfig
+from ridge.layers.attention import AttentionBackend
+from ridge.models.registry import model_class
+
+# tensors some checkpoints carry that ridge recomputes or does not need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"model: shard(s) named in the index are missing: {', '.join(map(os.path.basename, missing))}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {path!r}")
+    return files
+
+
+def _param_slot(model: torch.nn.Module, params: dict, name: str):
+    """Map a checkpoint tensor name to (ridge parameter name, shard or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.checkpoint_name_map:
+            merged, shard = model.checkpoint_name_map[part]
+            return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
+    return name, None
+
+
+def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               backend: AttentionBackend, max_position: int, show_progress: bool = True) -> torch.nn.Module:
+    cls = model_class(cfg.architecture)
+    with torch.device(device):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(cfg, backend, max_position)
+        finally:
+            torch.set_default_dtype(default)
+    # rotary tables stay float32: they are computed exactly as transformers does
+    for mod in model.modules():
+        if hasattr(mod, "cos"):
+            mod.cos, mod.sin = mod.cos.float(), mod.sin.float()
+    params = dict(model.named_parameters())
+    expected = set()
+    for pname, p in params.items():
+        owner = model.get_submodule(pname.rsplit(".", 1)[0])
+        shards = getattr(owner, "shards", {"": None}) if pname.endswith(("weight", "bias")) else {"": None}
+        for shard in shards:
+            expected.add((pname, shard or None))
+    loaded = set()
+    files = checkpoint_files(path)
+    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress)
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                pname, shard = _param_slot(model, params, name)
+                if pname not in params:
+                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
+                                     f"(config and checkpoint disagree)")
+                param = params[pname]
+                tensor = f.get_tensor(name)
+                if shard is not None:
+                    owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                    offset, size = owner.shards[shard]
+                    target = param.data.narrow(0, offset, size)
+                else:
+                    target = param.data
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                target.copy_(tensor)
+                loaded.add((pname, shard))
+                bar.update(1)
+    bar.close()
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = [_checkpoint_name(model, p, s) for p, s in missing]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise ValueError(f"model: checkpoint {path!r} is missing tensors: {shown}")
+    return model.eval()
+
+
+def _checkpoint_name(model, pname: str, shard: str | None) -> str:
+    if shard is None:
+        return pname
+    inverse = {v: k for k, v in model.checkpoint_name_map.items()}
+    owner, leaf = pname.rsplit(".", 1)
+    parent, merged = owner.rsplit(".", 1)
+    return f"{parent}.{inverse[(merged, shard)]}.{leaf}"

@@ -1,0 +1,137 @@
+"""Owns the model and the KV-cache pool; turns a scheduled step into one flat batch, runs the
+forward pass and samples.
+
+The flat batch: the new tokens of every scheduled sequence laid end to end (token ids,
+positions, cache slots), plus per sequence its query start, context length and block table.
+Host-side lists are built first and moved to the device in one copy each.
+"""
+from __future__ import annotations
+
+import torch
+
+from ridge.config import EngineConfig, ModelConfig
+from ridge.engine.request import Sequence
+from ridge.engine.scheduler import SchedulerOutput
+from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.layers.attention import select_backend
+from ridge.layers.sampler import SamplingBatch, sample
+from ridge.models.loader import load_model
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True,
+                 attention_backend: str = "auto"):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device = cfg.device
+        self.backend = select_backend(cfg.device, attention_backend)
+        self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
+                                max_position=max(cfg.max_model_len, 1), show_progress=show_progress)
+        self.kv_cache: torch.Tensor | None = None
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model_cfg
+        return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * self.cfg.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One pool for all layers: [layers, 2 (K, V), pages, page size, kv heads, head dim]."""
+        m = self.model_cfg
+        self.kv_cache = torch.empty(m.num_layers, 2, num_blocks, self.cfg.block_size, m.num_kv_heads,
+                                    m.head_dim, dtype=self.cfg.dtype, device=self.device)
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
+
+    # -- batch preparation ----------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput):
+        bs = self.cfg.block_size
+        input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+        for item in sched.scheduled:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            input_ids += seq.token_ids[start:start + n]
+            pos = range(start, start + n)
+            positions += pos
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            starts.append(starts[-1] + n)
+            seq_lens.append(start + n)
+            if item.samples:
+                sample_rows.append(starts[-1] - 1)
+        max_pages = max(len(item.seq.block_table) for item in sched.scheduled)
+        tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in sched.scheduled]
+        dev = self.device
+
+        def to_dev(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slots, torch.int64),
+            query_start_loc=to_dev(starts, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(tables, torch.int32),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return to_dev(input_ids, torch.int64), to_dev(positions, torch.int64), meta, sample_rows
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run one step's forward; logits [rows that sample, vocab] in float32."""
+        self.copy_blocks(sched.block_copies)
+        input_ids, positions, meta, sample_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        rows = torch.tensor(sample_rows, device=self.device, dtype=torch.int64)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    # -- sampling -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]):
+        return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
+
+    def sampling_batch(self, seqs: list[Sequence], vocab: int, eos_ids: list[int]) -> SamplingBatch:
+        dev = self.device
+        ps = [s.request.params for s in seqs]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        wants_penalty = any(p.presence_penalty or p.frequency_penalty for p in ps)
+        wants_repetition = any(p.repetition_penalty != 1.0 for p in ps)
+        counts = seen = banned = None
+        if wants_penalty or wants_repetition:
+            counts = torch.zeros(len(seqs), vocab, device=dev)
+            for i, s in enumerate(seqs):
+                out = s.output_token_ids
+                if out:
+                    counts[i].index_add_(0, col(out, torch.int64), torch.ones(len(out), device=dev))
+            if wants_repetition:
+                seen = counts > 0
+                for i, s in enumerate(seqs):
+                    seen[i, col(s.token_ids[:s.num_prompt_tokens], torch.int64)] = True
+        for i, (s, p) in enumerate(zip(seqs, ps)):
+            if s.num_output_tokens < p.min_tokens:
+                stop_ids = [t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
+                if stop_ids:
+                    if banned is None:
+                        banned = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+                    banned[i, col(stop_ids, torch.int64)] = True
+        return SamplingBatch(
+            temperature=col([p.temperature for p in ps], torch.float32),
+            top_k=col([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], torch.float32),
+            min_p=col([p.min_p for p in ps], torch.float32),
+            seeds=col([s.seed for s in seqs], torch.int64),
+            steps=col([s.num_output_tokens for s in seqs], torch.int64),
+            presence_penalty=col([p.presence_penalty for p in ps], torch.float32),
+            frequency_penalty=col([p.frequency_penalty for p in ps], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in ps], torch.float32),
+            output_counts=counts if wants_penalty else None,
+            seen_mask=seen,
+            banned=banned,
+            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+        )

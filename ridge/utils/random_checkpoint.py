@@ -1,0 +1,108 @@
+"""Random-weight HF checkpoints written by transformers itself: the test models and the shapes
+the benchmarks run (no weights can be downloaded, and the oracle must be transformers).
+
+    python -m ridge.utils.random_checkpoint OUT_DIR --arch llama --preset tiny
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+PRESETS = {
+    # a few hundred thousand parameters: CPU tests in seconds
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+                       rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_TOKENIZER_TEXT = (
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+    "The quick brown fox jumps over the lazy dog. Hello, world! import os, sys\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
+)
+
+
+def make_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained in milliseconds on a fixed text: every string encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 400), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_TOKENIZER_TEXT] * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
+
+
+def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tiny", dtype=torch.float32,
+                           seed: int = 0, device: str = "cpu", max_shard_size: str | None = None,
+                           with_tokenizer: bool = True, **overrides) -> str:
+    import transformers
+
+    cfg_name, model_name = ARCHS[arch]
+    kwargs = dict(PRESETS[preset])
+    kwargs.update(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    kwargs.update(overrides)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_name)(config)
+    finally:
+        torch.set_default_dtype(default)
+    if arch == "qwen2":
+        # transformers initialises biases to zero; random ones make the bias path matter in tests
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.02)
+    os.makedirs(out_dir, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    if with_tokenizer:
+        make_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    return out_dir
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    make_random_checkpoint(a.out, a.arch, a.preset, getattr(torch, a.dtype), a.seed, a.device)
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()

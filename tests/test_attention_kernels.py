@@ -1,0 +1,237 @@
+"""Triton attention kernels vs the pure-torch reference.
+
+On CPU the kernels run under the Triton interpreter (set before triton is imported); the tests
+marked `gpu` run the compiled kernels at real shapes in bf16.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
+from ridge.kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
+from ridge.kernels.attention_triton import triton_paged_attention  # noqa: E402
+from ridge.kernels.decode_attention import decode_attention  # noqa: E402
+from ridge.kernels.kv_write import write_kv  # noqa: E402
+from ridge.kernels.prefill_attention import prefill_attention  # noqa: E402
+
+CPU = torch.device("cpu")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, page=16, dtype=torch.float32,
+               device=CPU, seed=0, spare_pages=3):
+    """Random paged layout: shuffled physical pages, NaN in every slot no sequence owns.
+
+    Each sequence's prefix (ctx - q_len tokens) and its new tokens are written with write_kv_ref;
+    returns q, k_cache, v_cache, meta and the new tokens' k, v.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = [(c + page - 1) // page for c in ctx_lens]
+    num_blocks = sum(pages_per_seq) + spare_pages
+    perm = torch.randperm(num_blocks, generator=g)
+    max_pages = max(pages_per_seq + [1]) + 1  # one extra column of junk entries
+    block_tables = torch.full((len(q_lens), max_pages), -1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, page, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    used, new_slots, new_k, new_v = 0, [], [], []
+    for i, (ql, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        n = pages_per_seq[i]
+        block_tables[i, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+        pos = torch.arange(ctx)
+        slots = block_tables[i, pos // page].long() * page + pos % page
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        pre = ctx - ql
+        write_kv_ref(k[:pre], v[:pre], k_cache, v_cache, slots[:pre])
+        new_slots.append(slots[pre:])
+        new_k.append(k[pre:])
+        new_v.append(v[pre:])
+    slot_mapping = torch.cat(new_slots)
+    k_new, v_new = torch.cat(new_k).to(dtype), torch.cat(new_v).to(dtype)
+    write_kv_ref(k_new, v_new, k_cache, v_cache, slot_mapping)
+    starts = [0]
+    for ql in q_lens:
+        starts.append(starts[-1] + ql)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(ctx_lens),
+        max_query_len=max(q_lens), max_seq_len=max(ctx_lens))
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q), to(k_cache), to(v_cache), meta, to(k_new), to(v_new)
+
+
+def run_poisoned(fn, q, *args, **kwargs):
+    out = torch.full_like(q, float("nan"))
+    res = fn(q, *args, out=out, **kwargs)
+    assert res is out
+    assert not torch.isnan(out).any(), "kernel left output elements unwritten (or produced NaN)"
+    return out
+
+
+def check(q_lens, ctx_lens, heads, kv_heads, head_dim, fn, page=16, window=None, **kwargs):
+    q, kc, vc, meta, _, _ = make_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, page)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = run_poisoned(fn, q, kc, vc, meta, scale, window, **kwargs)
+    ref = paged_attention_ref(q, kc, vc, meta, scale, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+GQA = [(4, 4), (8, 2), (8, 1)]  # 1:1, 4:1, 8:1 (MQA)
+
+
+# ---------------------------------------------------------------------------- prefill (interpreter)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_prefill_causal_varlen(heads, kv_heads, head_dim):
+    lens = [37, 64, 5, 1, 33]
+    check(lens, lens, heads, kv_heads, head_dim, prefill_attention)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_prefill_chunked_with_prefix(heads, kv_heads):
+    # chunks behind cached prefixes: page-aligned, unaligned, and a chunk longer than BLOCK_M
+    check([20, 33, 16, 70], [50, 113, 32, 75], heads, kv_heads, 64, prefill_attention)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)])
+def test_prefill_mixed_batch(heads, kv_heads):
+    # decode rows (q_len 1, some with long contexts) next to prefill chunks
+    check([1, 40, 1, 7, 1], [17, 100, 1, 30, 96], heads, kv_heads, 64, prefill_attention)
+
+
+@pytest.mark.parametrize("page", [8, 32])
+def test_prefill_other_page_sizes(page):
+    check([30, 9], [70, 9], 4, 2, 64, prefill_attention, page=page)
+
+
+def test_prefill_sliding_window():
+    check([40, 1, 25], [90, 50, 25], 4, 2, 64, prefill_attention, window=19)
+    check([40, 3], [40, 70], 4, 4, 64, prefill_attention, window=1)
+
+
+def test_prefill_head_dim_256():
+    check([20, 1], [40, 23], 2, 1, 256, prefill_attention)
+
+
+# ----------------------------------------------------------------------------- decode (interpreter)
+DECODE_LENS = [1, 16, 45, 100, 129, 7]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_decode_ragged(heads, kv_heads, head_dim):
+    check([1] * len(DECODE_LENS), DECODE_LENS, heads, kv_heads, head_dim, decode_attention)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_decode_num_splits_and_workspace(num_splits):
+    lens = [1, 45, 129, 16]
+    q, kc, vc, meta, _, _ = make_batch([1] * len(lens), lens, 8, 2, 64)
+    n = len(lens) * 8 * num_splits
+    ws = (torch.full((n * 64,), float("nan")), torch.full((n,), float("nan")))
+    out = run_poisoned(decode_attention, q, kc, vc, meta, 0.125, num_splits=num_splits,
+                       workspace=ws)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_decode_group_wider_than_16_and_hd256():
+    check([1, 1], [40, 3], 32, 1, 64, decode_attention)   # MQA, 32 heads packed into M=32
+    check([1, 1], [40, 17], 4, 2, 256, decode_attention)
+
+
+def test_decode_sliding_window():
+    check([1] * 4, [1, 20, 77, 130], 8, 2, 64, decode_attention, window=24)
+
+
+def test_decode_page_size_32():
+    check([1] * 3, [31, 33, 90], 4, 1, 64, decode_attention, page=32)
+
+
+# ----------------------------------------------------------------------------------- dispatch, misc
+def test_dispatch_decode_and_mixed():
+    check([1] * 3, [5, 60, 17], 8, 2, 64, triton_paged_attention)
+    check([1, 12, 1], [5, 60, 17], 8, 2, 64, triton_paged_attention)
+
+
+def test_unsupported_inputs_raise():
+    q, kc, vc, meta, _, _ = make_batch([3], [3], 2, 1, 48)
+    with pytest.raises(ValueError, match="head_dim"):
+        prefill_attention(q, kc, vc, meta, 0.1)
+    q, kc, vc, meta, _, _ = make_batch([2], [5], 2, 1, 64)
+    with pytest.raises(ValueError, match="sliding_window"):
+        prefill_attention(q, kc, vc, meta, 0.1, sliding_window=0)
+    with pytest.raises(ValueError, match="max_query_len"):
+        decode_attention(q, kc, vc, meta, 0.1)
+
+
+# ------------------------------------------------------------------------------------------ kv write
+@pytest.mark.parametrize("kv_heads,head_dim,cache_dtype", [(2, 64, torch.float32), (3, 128, torch.bfloat16)])
+def test_write_kv_matches_ref(kv_heads, head_dim, cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, page, T = 6, 16, 37
+    slots = torch.randperm(num_blocks * page, generator=g)[:T]
+    # strided inputs: K and V are views into one fused projection buffer
+    fused = torch.randn(T, 2 * kv_heads + 1, head_dim, generator=g)
+    k, v = fused[:, :kv_heads], fused[:, kv_heads:2 * kv_heads]
+    caches = [torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
+              for _ in range(4)]
+    write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], caches[3], equal_nan=True, atol=0, rtol=0)
+
+
+def test_write_kv_skips_negative_slots():
+    k = torch.randn(3, 1, 64)
+    kc, vc = torch.zeros(2, 16, 1, 64), torch.zeros(2, 16, 1, 64)
+    write_kv(k, -k, kc, vc, torch.tensor([5, -1, 20]))
+    assert torch.equal(kc.view(-1, 64)[[5, 20]], k[[0, 2], 0])
+    assert torch.equal(vc.view(-1, 64)[[5, 20]], -k[[0, 2], 0])
+    assert kc.view(-1, 64).abs().sum(-1).count_nonzero() == 2
+
+
+# ------------------------------------------------------------------------------- GPU, real shapes
+def gpu_check(q_lens, ctx_lens, heads, kv_heads, head_dim, fn, seed, window=None):
+    dev = torch.device("cuda")
+    q, kc, vc, meta, k_new, v_new = make_batch(q_lens, ctx_lens, heads, kv_heads, head_dim,
+                                               dtype=torch.bfloat16, device=dev, seed=seed)
+    kc2, vc2 = kc.clone(), vc.clone()  # the new rows again, through the Triton write kernel
+    kc2.view(-1, kv_heads, head_dim)[meta.slot_mapping] = float("nan")
+    vc2.view(-1, kv_heads, head_dim)[meta.slot_mapping] = float("nan")
+    write_kv(k_new, v_new, kc2, vc2, meta.slot_mapping)
+    assert torch.equal(kc2.nan_to_num(), kc.nan_to_num()) and torch.equal(vc2.nan_to_num(), vc.nan_to_num())
+    scale = 1.0 / math.sqrt(head_dim)
+    out = run_poisoned(fn, q, kc2, vc2, meta, scale, window)
+    ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale, sliding_window=window)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-2, rel
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 32, 8), (64, 16, 16), (256, 8, 1)])
+def test_gpu_prefill_bf16(head_dim, heads, kv_heads):
+    seed = int(torch.randint(0, 2**31, ()).item())  # fresh inputs every run
+    gpu_check([1024, 513, 1, 2000, 77], [1024, 1513, 4001, 2000, 3077], heads, kv_heads,
+              head_dim, triton_paged_attention, seed)
+    gpu_check([300, 1], [2300, 900], heads, kv_heads, head_dim, prefill_attention, seed, window=512)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lens", [[32768], [4096] * 32, [1, 15, 16, 17, 999, 8192, 2048, 300] * 8])
+def test_gpu_decode_bf16(lens):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    gpu_check([1] * len(lens), lens, 32, 8, 128, triton_paged_attention, seed)
+    gpu_check([1] * len(lens), lens, 32, 8, 128, decode_attention, seed, window=1000)
