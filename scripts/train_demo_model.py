@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -76,7 +77,8 @@ SIZES = {
                   num_key_value_heads=1, intermediate_size=512),
 }
 SIZE_LIMIT_BYTES = {"main": 25_000_000, "small": 8_000_000}
-TOKENIZER_MAX_BYTES = 64 * 1024 * 1024  # use all training files (~8 MB) for BPE
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def train_tokenizer(texts: list[str]):
@@ -89,13 +91,7 @@ def train_tokenizer(texts: list[str]):
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=[BOS, EOS, PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    budget, subset = TOKENIZER_MAX_BYTES, []
-    for t in texts:  # deterministic prefix of the (sorted) training files
-        if budget <= 0:
-            break
-        subset.append(t)
-        budget -= len(t)
-    tok.train_from_iterator(subset, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)  # all training files: ~8 MB, a few seconds
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, bos_id)])
@@ -190,7 +186,7 @@ def main(argv=None):
 
     stdlib = demo_data.stdlib_dir()
     if args.heldout_only:
-        print("\n".join(demo_data.heldout_files(stdlib)))
+        print("\n".join(demo_data.read_files(stdlib, demo_data.heldout_files(stdlib))[0]))
         return
     if not args.out:
         p.error("--out is required")
@@ -245,7 +241,7 @@ def main(argv=None):
     curve, eval_curve, recent = [], [], []
     t_train = time.time()
     model.train()
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
+    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=2.0)
     step = 0
     for step in bar:
         lr = lr_at(step, args.steps, warmup, args.lr)
@@ -264,7 +260,7 @@ def main(argv=None):
 
         loss_v = loss.item()
         recent = (recent + [loss_v])[-50:]
-        bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.2e}", refresh=False)
         if (step + 1) % args.log_every == 0 or step == 0:
             curve.append([step + 1, round(sum(recent) / len(recent), 4)])
             tqdm.write(f"step {step + 1:6d}  loss {curve[-1][1]:.4f}  lr {lr:.2e}  "
@@ -287,7 +283,7 @@ def main(argv=None):
     eval_curve.append([steps_done, round(nll, 4)])
     ppl = math.exp(nll)
     full_eval = args.eval_windows is None
-    bpb = nll / math.log(2) * len(eval_stream) / eval_bytes if full_eval else None
+    bpb = nll * n_eval_tok / math.log(2) / eval_bytes if full_eval else None  # ~: EOS scored, tail cut
     print(f"final train loss {final_train_loss:.4f} | held-out loss {nll:.4f}  ppl {ppl:.2f}"
           + (f"  bits/byte {bpb:.3f}" if bpb else "") + f"  ({n_eval_tok:,} tokens)")
 
@@ -300,8 +296,14 @@ def main(argv=None):
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=False)
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
+    model.save_pretrained(args.out)
+    if not args.tokenizer:
+        tokenizer.save_pretrained(args.out)
+    elif os.path.abspath(args.tokenizer) != os.path.abspath(args.out):
+        # copy the files: the draft model shares the tokenizer byte for byte
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(args.tokenizer, name)):
+                shutil.copyfile(os.path.join(args.tokenizer, name), os.path.join(args.out, name))
     st_size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     print(f"saved {args.out} ({str(save_dtype).split('.')[-1]}, model.safetensors "
           f"{st_size / 1e6:.2f} MB)")

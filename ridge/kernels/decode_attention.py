@@ -105,8 +105,9 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_lo
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
     else:
         # Empty split (start >= end): out = 0 and lse = -inf, so the merge gives it zero weight.
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
         tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
         tl.store(Lse + part, lse, mask=h_ok)

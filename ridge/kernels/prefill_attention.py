@@ -63,9 +63,12 @@ def _prune(configs, named_args, **kwargs):
     keep = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        acc_regs = bm * d // (32 * c.num_warps)           # fp32 accumulator registers per thread
-        smem = 2 * (bm * d + c.num_stages * 2 * bn * d)   # bf16 Q tile + pipelined K and V tiles
-        if acc_regs <= 128 and smem <= 200 * 1024 and not (bm == 128 and bn == 32):
+        acc_regs = bm * d // (32 * c.num_warps)                 # fp32 accumulator regs per thread
+        smem = 2 * (bm * d + (c.num_stages - 1) * 2 * bn * d)   # bf16 Q + K/V tiles in flight
+        # 8 warps = 2 warpgroups only pay off with a 128-row tile (wgmma is 64 rows per group);
+        # a 128x32 tile spends more on softmax bookkeeping than on the two GEMMs.
+        useful = (bm == 128) == (c.num_warps == 8) and not (bm == 128 and bn == 32)
+        if acc_regs <= 128 and smem <= 200 * 1024 and useful:
             keep.append(c)
     return keep or configs[:1]
 

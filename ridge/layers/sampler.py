@@ -29,7 +29,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) + steps * 0x9E3779B1) & _MASK32))
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     h = _mix32((row[:, None] + idx * 0x85EBCA77) & _MASK32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits, so (k + 0.5) / 2^23 is exact in float32 and never rounds to 0 or 1 (-log(1) = 0
+    # would make a token win every race)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

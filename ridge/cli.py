@@ -1,0 +1,87 @@
+"""`ridge` command line: generate (more subcommands join as they are built)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV pool size: bytes if > 1, else a fraction of free memory")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    kv = a.kv_cache_memory
+    if kv is not None and kv > 1:
+        kv = int(kv)
+    return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                kv_cache_memory=kv, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+                seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from ridge import LLM, SamplingParams
+
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                            max_tokens=a.max_tokens, seed=a.sample_seed, stop=a.stop or None,
+                            repetition_penalty=a.repetition_penalty)
+    llm = LLM(show_progress=False, **engine_kwargs(a))
+    engine = llm.engine
+    engine.add_request(a.prompt, params)
+    # Hold back as many characters as a stop string could still need, so none leaks out.
+    hold = max(map(len, params.stop_strings), default=1) - 1
+    if a.echo:
+        sys.stdout.write(a.prompt)
+    shown = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.outputs[0].text
+            upto = len(text) if out.finished else max(shown, len(text) - hold)
+            sys.stdout.write(text[shown:upto])
+            sys.stdout.flush()
+            shown = upto
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ridge", description="ridge: an LLM inference engine in Python and Triton")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
+    add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except ValueError as e:
+        print(f"ridge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+from ridge.utils.random_checkpoint import make_random_checkpoint
+
+# Token ids 0-2 are BOS/EOS/PAD in the test checkpoints; prompts avoid them so that
+# transformers' generate (which infers padding from pad ids) sees exactly what ridge sees.
+PROMPT_LENGTHS = (3, 21, 7, 16, 40)
+
+
+def prompt_of(length: int, salt: int = 0, vocab: int = 512) -> list[int]:
+    g = torch.Generator().manual_seed(1000 * salt + length)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+ARCH_OVERRIDES = {
+    "llama": {},
+    "llama3-scaled": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"tie_word_embeddings": True},
+    "llama-mqa": {"num_key_value_heads": 1},
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            arch = name.split("-")[0].replace("llama3", "llama")
+            shard = "60KB" if name == "mistral" else None   # exercise the sharded-index path
+            cache[name] = make_random_checkpoint(str(root / name), arch=arch, max_shard_size=shard,
+                                                 **ARCH_OVERRIDES.get(name, {}))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(checkpoints):
+    from ridge import LLM
+    return LLM(checkpoints("llama"), device="cpu", show_progress=False, max_model_len=512)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,90 @@
+"""Acceptance: batch invariance; preemption, chunked prefill and prefix caching change nothing;
+every page is free again at the end."""
+import pytest
+
+from ridge import LLM, SamplingParams
+from conftest import prompt_of
+
+
+def assert_pool_free(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(c == 0 for c in bm.ref_counts)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_batch_invariance(tiny_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    target = prompt_of(13, salt=99)
+    alone = tiny_llm.generate([target], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    others = [prompt_of(n, salt=i) for i, n in enumerate([5, 60, 1, 33, 8, 100, 2, 17, 45, 3, 70, 9, 26, 4, 51, 12])]
+    batch = others[:8] + [target] + others[8:]
+    outs = tiny_llm.generate(batch, greedy, use_tqdm=False)
+    assert outs[8].outputs[0].token_ids == alone
+    assert_pool_free(tiny_llm)
+
+
+def _workload():
+    prompts = [prompt_of(40 + (i * 37) % 90, salt=i) for i in range(32)]
+    # a shared system-prompt-like prefix on half of them, so prefix caching has hits to make
+    prefix = prompt_of(48, salt=777)
+    prompts = [prefix + p if i % 2 else p for i, p in enumerate(prompts)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + (i * 13) % 40, ignore_eos=True) for i in range(32)]
+    return prompts, params
+
+
+def _run(path, **kw):
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=512, **kw)
+    prompts, params = _workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_pool_free(llm)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def ample(checkpoints):
+    return _run(checkpoints("llama"))[0]
+
+
+def test_preemption_and_chunking_give_identical_outputs(checkpoints, ample):
+    path = checkpoints("llama")
+    page_bytes = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20).engine.runner.kv_bytes_per_block()
+    # 40 pages of 16 tokens: a few requests at a time; prompts are prefilled in chunks of 64
+    outs, llm = _run(path, kv_cache_memory=40 * page_bytes, max_num_batched_tokens=64)
+    assert llm.engine.cfg.num_blocks == 40
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outs == ample
+
+
+def test_prefix_caching_off_gives_identical_outputs(checkpoints, ample):
+    outs, _ = _run(checkpoints("llama"), enable_prefix_caching=False)
+    assert outs == ample
+
+
+def test_prefix_cache_is_hit_and_pages_are_reused(tiny_llm):
+    bm = tiny_llm.engine.block_manager
+    shared = prompt_of(64, salt=5)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = tiny_llm.generate([shared + [7, 8, 9]], greedy, use_tqdm=False)[0]
+    cached_before = len(bm.cached)
+    eng = tiny_llm.engine
+    eng.add_request(shared + [10, 11], greedy)
+    sched = eng.scheduler.schedule()
+    assert sched.scheduled[0].start == 64       # four full pages came from the cache
+    assert sched.scheduled[0].num_new_tokens == 2
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    assert len(bm.cached) >= cached_before
+    assert first.outputs[0].token_ids
+    assert_pool_free(tiny_llm)
+
+
+def test_abort_frees_pages(tiny_llm):
+    eng = tiny_llm.engine
+    ids = [eng.add_request(prompt_of(50, salt=i), SamplingParams(temperature=0, max_tokens=50, n=2)) for i in range(4)]
+    for _ in range(5):
+        eng.step()
+    assert tiny_llm.engine.block_manager.num_free_blocks < tiny_llm.engine.cfg.num_blocks
+    for rid in ids:
+        eng.abort(rid)
+    assert_pool_free(tiny_llm)

@@ -1,0 +1,78 @@
+"""Acceptance: bad inputs raise ValueError naming the parameter; the engine serves on."""
+import pytest
+
+from ridge import SamplingParams
+from conftest import prompt_of
+
+GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize("make, param", [
+    (lambda: dict(prompt=""), "prompt"),
+    (lambda: dict(prompt=[]), "prompt"),
+    (lambda: dict(prompt=[5, 600, 7]), "prompt"),            # vocab is 512
+    (lambda: dict(prompt=[5, -1]), "prompt"),
+    (lambda: dict(prompt=[5, "x"]), "prompt"),
+    (lambda: dict(prompt=prompt_of(600)), "prompt"),         # max_model_len is 512
+    (lambda: dict(params=SamplingParams(max_tokens=510)), "max_tokens"),
+    (lambda: dict(params=dict(max_tokens=0)), "max_tokens"),
+    (lambda: dict(params=dict(temperature=-0.1)), "temperature"),
+    (lambda: dict(params=dict(top_p=0.0)), "top_p"),
+    (lambda: dict(params=dict(top_p=1.5)), "top_p"),
+    (lambda: dict(params=dict(top_k=-2)), "top_k"),
+    (lambda: dict(params=dict(n=0)), "n"),
+    (lambda: dict(params=SamplingParams(n=65)), "n"),        # above the engine's max_n cap
+    (lambda: dict(params=dict(logprobs=21)), "logprobs"),
+    (lambda: dict(params=dict(stop=[""])), "stop"),
+    (lambda: dict(params=dict(stop="")), "stop"),
+    (lambda: dict(params=dict(min_p=2.0)), "min_p"),
+    (lambda: dict(params=dict(presence_penalty=3.0)), "presence_penalty"),
+    (lambda: dict(params=dict(repetition_penalty=0.0)), "repetition_penalty"),
+])
+def test_bad_input_names_parameter_and_engine_serves_on(tiny_llm, make, param):
+    case = make()
+    prompt = case.get("prompt", prompt_of(10))
+    params = case.get("params", GOOD)
+    before = tiny_llm.generate([prompt_of(10, salt=1)], GOOD, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=rf"^{param}:"):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        tiny_llm.generate([prompt_of(6, salt=2), prompt], [GOOD, params], use_tqdm=False)
+    assert not tiny_llm.engine.requests              # the call's accepted request was withdrawn
+    bm = tiny_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    after = tiny_llm.generate([prompt_of(10, salt=1)], GOOD, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+
+
+def test_request_that_can_never_fit_the_cache_is_rejected(checkpoints):
+    from ridge import LLM
+    path = checkpoints("llama")
+    probe = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20)
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=512,
+              kv_cache_memory=4 * probe.engine.runner.kv_bytes_per_block())
+    with pytest.raises(ValueError, match="^max_tokens:.*KV pages"):
+        llm.generate([prompt_of(40)], SamplingParams(max_tokens=40), use_tqdm=False)
+    out = llm.generate([prompt_of(40)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(block_size=0), "block_size"),
+    (dict(kv_cache_memory=1.5), "kv_cache_memory"),
+    (dict(kv_cache_memory=100), "kv_cache_memory"),
+    (dict(max_model_len=10**6), "max_model_len"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+])
+def test_bad_engine_options(checkpoints, kwargs, param):
+    from ridge import LLM
+    with pytest.raises(ValueError, match=rf"^{param}:"):
+        LLM(checkpoints("llama"), show_progress=False, **{"device": "cpu", **kwargs})
+
+
+def test_missing_model_directory():
+    from ridge import LLM
+    with pytest.raises(ValueError, match="^model:"):
+        LLM("/nonexistent/checkpoint", device="cpu")
