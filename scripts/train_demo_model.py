@@ -304,7 +304,9 @@ def main(argv=None):
         for name in TOKENIZER_FILES:
             if os.path.exists(os.path.join(args.tokenizer, name)):
                 shutil.copyfile(os.path.join(args.tokenizer, name), os.path.join(args.out, name))
-    st_size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+    st_path = os.path.join(args.out, "model.safetensors")
+    os.chmod(st_path, 0o644)  # save_pretrained may leave it 0600
+    st_size = os.path.getsize(st_path)
     print(f"saved {args.out} ({str(save_dtype).split('.')[-1]}, model.safetensors "
           f"{st_size / 1e6:.2f} MB)")
     if st_size > limit:
