@@ -111,6 +111,23 @@ def encode_docs(tokenizer, texts: list[str]) -> list[int]:
     return stream
 
 
+def add_residual_dropout(model, p: float) -> None:
+    """Dropout on what each attention and MLP block adds to the residual stream, active only in
+    train mode. transformers' Llama has no such dropout; hooks add it without changing the
+    architecture, so the saved checkpoint is a standard Llama."""
+    if p <= 0:
+        return
+
+    def drop(module, inputs, output):
+        if isinstance(output, tuple):
+            return (torch.nn.functional.dropout(output[0], p, module.training),) + tuple(output[1:])
+        return torch.nn.functional.dropout(output, p, module.training)
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(drop)
+        layer.mlp.register_forward_hook(drop)
+
+
 def build_model(size: str, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -174,6 +191,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=None, help="default: min(200, steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="training-only dropout on each attention and MLP output (the data is small)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-minutes", type=float, default=None)
@@ -223,6 +242,7 @@ def main(argv=None):
 
     # ---- model + optimizer
     model = build_model(args.size, tokenizer).to(device)
+    add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model '{args.size}': {n_params:,} parameters ({n_params / 1e6:.2f}M), "
           f"config {SIZES[args.size]}")
@@ -328,6 +348,7 @@ def main(argv=None):
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "lr": args.lr,
+        "dropout": args.dropout,
         "warmup": warmup,
         "train_tokens_seen": steps_done * args.batch_size * args.seq_len,
         "final_train_loss": round(final_train_loss, 4),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 ASSETS = os.path.dirname(os.path.abspath(__file__))
-DEMO_MODEL = "demo-tiny"
+DEMO_MODEL = "demo-code-12m"
 
 
 def demo_model_path() -> str:
