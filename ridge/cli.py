@@ -1,4 +1,4 @@
-"""`ridge` command line: generate (more subcommands join as they are built)."""
+"""`ridge` command line: generate, eval-ppl."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,25 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(a: argparse.Namespace) -> int:
+    import json
+
+    from ridge import LLM
+    from ridge.eval_ppl import heldout_files, perplexity
+
+    llm = LLM(show_progress=False, **engine_kwargs(a))
+    files = a.files or heldout_files(llm.engine.cfg.model)
+    r = perplexity(llm, files, seq_len=a.seq_len)
+    summary = dict(model=llm.engine.cfg.model, dtype=str(llm.engine.cfg.dtype).removeprefix("torch."),
+                   device=str(llm.engine.cfg.device), seq_len=a.seq_len, **vars(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    print(f"perplexity {r.perplexity:.3f}  (nll {r.nll_per_token:.4f} nats/token, {r.tokens} tokens, "
+          f"{r.files} files, {r.windows} windows of {a.seq_len})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ridge", description="ridge: an LLM inference engine in Python and Triton")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -71,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval-ppl", help="perplexity on text files (default: the model's held-out stdlib files)")
+    add_engine_args(e)
+    e.add_argument("--files", nargs="+", default=None)
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--json", default=None, help="write the result as JSON here")
+    e.set_defaults(func=cmd_eval_ppl)
     return ap
 
 

@@ -43,3 +43,32 @@ def test_bundled_model_matches_transformers(path):
 def test_draft_shares_the_tokenizer():
     a = open(os.path.join(demo_model_path(), "tokenizer.json"), "rb").read()
     assert a == open(os.path.join(DRAFT, "tokenizer.json"), "rb").read()
+
+
+def test_eval_ppl_matches_transformers(tmp_path):
+    """ridge eval-ppl's number equals the same windows scored by transformers."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    from ridge.eval_ppl import heldout_files, token_stream
+    path = demo_model_path()
+    files = heldout_files(path)[:2]
+    out = tmp_path / "ppl.json"
+    r = subprocess.run([sys.executable, "-m", "ridge.cli", "eval-ppl", "--device", "cpu", "--seq-len", "128",
+                        "--files", *files, "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    stream = torch.tensor(token_stream(tok, files))
+    n = (len(stream) - 1) // 128
+    idx = torch.arange(n)[:, None] * 128 + torch.arange(129)
+    x, y = stream[idx][:, :-1], stream[idx][:, 1:].clone()
+    y[y == tok.bos_token_id] = -100
+    with torch.no_grad():
+        logits = hf(input_ids=x).logits
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    assert got["tokens"] == int((y != -100).sum())
+    assert math.isclose(got["nll_per_token"], nll.item(), rel_tol=1e-4)

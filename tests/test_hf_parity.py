@@ -25,7 +25,7 @@ def test_greedy_and_logits_match_transformers(checkpoints, name):
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=1))
-    logits = engine.runner.execute(engine.scheduler.schedule())
+    logits = engine.runner.execute(engine.scheduler.schedule()).logits
     for row, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1].float()
@@ -87,3 +87,21 @@ def test_bad_checkpoints_fail_clearly(tmp_path, checkpoints):
     save_file(tensors, str(missing / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight"):
         LLM(str(missing), device="cpu", show_progress=False)
+
+
+def test_prompt_logprobs_match_transformers_under_chunking_and_caching(checkpoints):
+    path = checkpoints("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # a 64-token budget cuts the 150-token prompts into chunks; the second prompt shares the
+    # first one's pages in the prefix cache, which scoring requests must not skip
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=256, max_num_batched_tokens=64)
+    first = prompt_of(150, salt=1)
+    prompts = [first, first[:100] + prompt_of(50, salt=2)]
+    llm.generate([first], SamplingParams(max_tokens=1), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+        expected = ref[:-1].gather(1, torch.tensor(p[1:])[:, None]).squeeze(1)
+        assert o.prompt_logprobs[0] is None
+        assert torch.allclose(torch.tensor(o.prompt_logprobs[1:]), expected, atol=1e-4)

@@ -49,7 +49,8 @@ class Engine:
             seq = Sequence(next(self._ids), req, j, list(token_ids), len(token_ids),
                            seed=_sample_seed(base_seed, j),
                            status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
-                           logprobs=[] if params.logprobs is not None else None)
+                           logprobs=[] if params.logprobs is not None else None,
+                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs and j == 0 else None)
             if self.detokenizer is not None:
                 seq.detokenizer = self.detokenizer.stream(params.skip_special_tokens)
             req.seqs.append(seq)
@@ -102,11 +103,14 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        logits = self.runner.execute(sched)               # one row per sequence that samples
+        fwd = self.runner.execute(sched)                   # logits: one row per sequence that samples
+        for seq, positions, values in fwd.prompt_logprobs:
+            for p, v in zip(positions, values):
+                seq.prompt_logprobs[p] = v
         sampling = [item.seq for item in sched.scheduled if item.samples]
         self._advance(sched)
         seqs, rows = self._fork_samples(sampling)
-        tokens, info = self.runner.sample(logits[rows], seqs, self.eos_ids)
+        tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
         return self._update(seqs, tokens.tolist(), info)
 
     def _advance(self, sched: SchedulerOutput) -> None:

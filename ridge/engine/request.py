@@ -43,6 +43,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""
     detokenizer: object = None
+    prompt_logprobs: list[float | None] | None = None   # by position; position 0 has none
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -93,9 +94,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[float | None] | None = None
 
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
         outs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason,
                                  list(s.logprobs) if s.logprobs is not None else None) for s in req.seqs]
-        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished)
+        prompt_lps = req.seqs[0].prompt_logprobs
+        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished,
+                   list(prompt_lps) if prompt_lps is not None else None)

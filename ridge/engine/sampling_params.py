@@ -24,6 +24,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    prompt_logprobs: bool = False    # log p(prompt token | tokens before it), for scoring text
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -72,6 +73,8 @@ class SamplingParams:
                 bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.prompt_logprobs, bool):
+            bad("prompt_logprobs", f"must be true or false, got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -94,7 +94,8 @@ class Scheduler:
             seats = 1 if seq.sample_index or seq.num_output_tokens else seq.request.params.n
             if len(self.running) + seats > self.max_num_seqs:
                 break
-            hits = self.blocks.match_prefix(seq)
+            # a request scoring its prompt must compute every prompt token: no cache hits
+            hits = [] if seq.request.params.prompt_logprobs else self.blocks.match_prefix(seq)
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if self.blocks.blocks_needed(seq, n, hits) > self.blocks.num_free_blocks:

@@ -7,6 +7,8 @@ Host-side lists are built first and moved to the device in one copy each.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ridge.config import EngineConfig, ModelConfig
@@ -16,6 +18,17 @@ from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.attention import select_backend
 from ridge.layers.sampler import SamplingBatch, sample
 from ridge.models.loader import load_model
+
+
+# rows of prompt logits turned into log-probabilities at a time: bounds the [rows, vocab] buffer
+_SCORE_ROWS = 1024
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor                        # [rows that sample, vocab] float32
+    # (sequence, prompt positions, log p(token at position | tokens before)) for scoring requests
+    prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -80,13 +93,32 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run one step's forward; logits [rows that sample, vocab] in float32."""
+    def execute(self, sched: SchedulerOutput) -> ForwardOutput:
+        """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
+        for requests that score their prompt."""
         self.copy_blocks(sched.block_copies)
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.int64)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, rows)))
+        for i, item in enumerate(sched.scheduled):
+            seq = item.seq
+            if seq.prompt_logprobs is None:
+                continue
+            # row r of this chunk (position start + r) predicts the token at position start + r + 1
+            last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if last <= item.start:
+                continue
+            row0 = meta.query_start_loc_cpu[i]
+            targets = seq.token_ids[item.start + 1:last + 1]
+            values = []
+            for lo in range(0, len(targets), _SCORE_ROWS):
+                h = hidden[row0 + lo:row0 + min(lo + _SCORE_ROWS, len(targets))]
+                logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
+                tgt = torch.tensor(targets[lo:lo + _SCORE_ROWS], device=self.device)[:, None]
+                values += logp.gather(1, tgt).squeeze(1).tolist()
+            out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
+        return out
 
     # -- sampling -------------------------------------------------------------------------------
     @torch.inference_mode()
