@@ -8,6 +8,12 @@ Corpus
     ``_sysconfigdata*`` modules. Files that are not valid UTF-8 or are blank are
     skipped. Paths are relative POSIX paths (e.g. ``"json/decoder.py"``), sorted.
 
+Options (set by train_demo_model.py)
+    ``--include-tests`` also takes the stdlib's own test suite (``Lib/test``), which
+    quadruples the corpus where the install has it; ``--stdlib DIR`` reads another
+    standard-library tree (the bundled models were trained on CPython 3.11.7's Lib
+    with its tests, carried to a GPU machine whose Python has no Lib/test).
+
 Held-out split (fixed, independent of Python version and file ordering)
     A file is held out for evaluation iff the SHA-1 hex digest of its relative
     POSIX path (UTF-8) starts with ``"0"`` or ``"1"`` -- about 1/8 of the files.
@@ -32,11 +38,16 @@ EXCLUDED_DIRS = frozenset({
     "test", "tests", "idle_test", "idlelib", "lib2to3",
     "encodings", "pydoc_data", "turtledemo", "ensurepip",
 })
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 HELDOUT_PREFIXES = ("0", "1")
+# The stdlib's own test suite (Lib/test) triples the corpus where the Python install has it;
+# set by train_demo_model.py --include-tests.
+INCLUDE_TESTS = False
+STDLIB_OVERRIDE: str | None = None       # train_demo_model.py --stdlib
 
 
 def stdlib_dir() -> str:
-    return sysconfig.get_paths()["stdlib"]
+    return STDLIB_OVERRIDE or sysconfig.get_paths()["stdlib"]
 
 
 def is_heldout(relpath: str) -> bool:
@@ -51,7 +62,8 @@ def all_files(stdlib: str | None = None) -> list[str]:
         rel_root = os.path.relpath(root, stdlib)
         parts = [] if rel_root == "." else rel_root.split(os.sep)
         # Skip excluded directories and non-package dirs like config-3.11-x86_64-linux-gnu.
-        dirs[:] = [d for d in dirs if d not in EXCLUDED_DIRS and not d.startswith("config-")]
+        excluded = EXCLUDED_DIRS - TEST_DIRS if INCLUDE_TESTS else EXCLUDED_DIRS
+        dirs[:] = [d for d in dirs if d not in excluded and not d.startswith("config-")]
         for f in files:
             if f.endswith(".py") and not f.startswith("_sysconfigdata"):
                 out.append("/".join(parts + [f]))

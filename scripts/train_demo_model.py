@@ -191,6 +191,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=None, help="default: min(200, steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--stdlib", default=None,
+                   help="standard-library tree to read (default: the running Python's)")
+    p.add_argument("--include-tests", action="store_true",
+                   help="also train and evaluate on the stdlib's test suite (Lib/test), where installed")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="training-only dropout on each attention and MLP output (the data is small)")
     p.add_argument("--seed", type=int, default=0)
@@ -202,6 +206,9 @@ def main(argv=None):
                    help="cap on held-out windows for the final eval (default: all)")
     p.add_argument("--heldout-only", action="store_true", help="list held-out files and exit")
     args = p.parse_args(argv)
+    demo_data.INCLUDE_TESTS = args.include_tests
+    if args.stdlib:
+        demo_data.STDLIB_OVERRIDE = os.path.abspath(args.stdlib)
 
     stdlib = demo_data.stdlib_dir()
     if args.heldout_only:
@@ -349,6 +356,8 @@ def main(argv=None):
         "seq_len": args.seq_len,
         "lr": args.lr,
         "dropout": args.dropout,
+        "include_tests": args.include_tests,
+        "stdlib": demo_data.stdlib_dir(),
         "warmup": warmup,
         "train_tokens_seen": steps_done * args.batch_size * args.seq_len,
         "final_train_loss": round(final_train_loss, 4),
