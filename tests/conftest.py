@@ -23,6 +23,7 @@ ARCH_OVERRIDES = {
     "qwen2": {},
     "qwen3": {"tie_word_embeddings": True},
     "llama-mqa": {"num_key_value_heads": 1},
+    "mistral-sw": {"sliding_window": 8},          # a window shorter than the prompts
 }
 
 

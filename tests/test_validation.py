@@ -76,3 +76,23 @@ def test_missing_model_directory():
     from ridge import LLM
     with pytest.raises(ValueError, match="^model:"):
         LLM("/nonexistent/checkpoint", device="cpu")
+
+
+def test_n_is_capped_by_max_num_seqs(checkpoints):
+    from ridge import LLM
+    llm = LLM(checkpoints("llama"), device="cpu", show_progress=False, max_num_seqs=4)
+    with pytest.raises(ValueError, match="^n:"):
+        llm.generate([prompt_of(5)], SamplingParams(n=5), use_tqdm=False)
+    out = llm.generate([prompt_of(5)], SamplingParams(n=4, max_tokens=3, ignore_eos=True, seed=1), use_tqdm=False)
+    assert len(out[0].outputs) == 4
+
+
+def test_backend_choice():
+    import torch
+    from ridge.layers.attention import select_backend
+    assert select_backend(torch.device("cpu")).name == "torch"
+    assert select_backend(torch.device("cuda"), "auto", head_dim=96).name == "torch"
+    with pytest.raises(ValueError, match="^attention_backend:"):
+        select_backend(torch.device("cuda"), "triton", head_dim=96)
+    with pytest.raises(ValueError, match="^attention_backend:"):
+        select_backend(torch.device("cpu"), "flash")

@@ -37,7 +37,7 @@ class Engine:
         """Validate and queue a request; raises ValueError naming the bad parameter. A rejected
         request leaves the engine and every accepted request untouched."""
         params = params if params is not None else SamplingParams()
-        params.validate(max_n=self.cfg.max_n)
+        params.validate(max_n=min(self.cfg.max_n, self.cfg.max_num_seqs))
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -102,6 +102,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.scheduler.has_work() and not self.scheduler.running:
+                # admission checks make this unreachable; fail loudly rather than spin
+                raise RuntimeError("scheduler: waiting requests but nothing can be scheduled")
             return []
         fwd = self.runner.execute(sched)                   # logits: one row per sequence that samples
         for seq, positions, values in fwd.prompt_logprobs:

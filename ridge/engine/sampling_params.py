@@ -46,7 +46,7 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if max_n is not None and self.n > max_n:
-            bad("n", f"must be <= {max_n} (the engine's max_n), got {self.n}")
+            bad("n", f"must be <= {max_n} (the engine's max_n and max_num_seqs), got {self.n}")
         if not _is_number(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -24,9 +24,17 @@ class AttentionBackend:
 TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, paged_attention_ref)
 
 
-def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+def triton_supports(head_dim: int) -> bool:
+    """The Triton kernels tile the head dimension as one power-of-two block."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128) -> AttentionBackend:
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_supports(head_dim))):
         return TORCH_BACKEND
+    if not triton_supports(head_dim):
+        raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
+                         f"this model has {head_dim}")
     if name in ("auto", "triton"):
         try:
             from ridge.kernels.attention_triton import triton_paged_attention

@@ -38,7 +38,7 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def _param_slot(model: torch.nn.Module, params: dict, name: str):
+def _param_slot(model: torch.nn.Module, name: str):
     """Map a checkpoint tensor name to (ridge parameter name, shard or None)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
@@ -77,7 +77,7 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                     continue
-                pname, shard = _param_slot(model, params, name)
+                pname, shard = _param_slot(model, name)
                 if pname not in params:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                      f"(config and checkpoint disagree)")

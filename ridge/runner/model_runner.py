@@ -36,7 +36,7 @@ class ModelRunner:
                  attention_backend: str = "auto"):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = cfg.device
-        self.backend = select_backend(cfg.device, attention_backend)
+        self.backend = select_backend(cfg.device, attention_backend, model_cfg.head_dim)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress)
         self.kv_cache: torch.Tensor | None = None
