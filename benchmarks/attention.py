@@ -128,7 +128,7 @@ def bench_prefill(S: int, H: int = 32) -> dict:
     return res
 
 
-def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8) -> dict:
+def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sweep=()) -> dict:
     D = HEAD_DIM
     k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
     q = torch.randn(B, H, D, dtype=DT, device="cuda")
@@ -140,6 +140,9 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8) ->
     res = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "kv_bytes": kv_bytes,
            "num_splits": choose_num_splits(B, KVH, L, q.device)}
     res["ridge_ms"] = bench_ms(lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out))
+    # the split count is the decode kernel's main lever: time a few around the heuristic's choice
+    res["splits_sweep"] = {s: kv_bytes / (bench_ms(lambda: decode_attention(
+        q, k_cache, v_cache, meta, scale, out=out, num_splits=s)) * 1e-3) / 1e9 / copy_gbps for s in sweep}
     qg = q.view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")
     for b in range(B):  # float32 reference, one sequence at a time to bound memory
@@ -164,6 +167,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     out_dir = os.environ.get("OUT")
     ap.add_argument("--json", default=os.path.join(out_dir, "attention.json") if out_dir else None)
+    ap.add_argument("--only", choices=["prefill", "decode"], default=None)
+    ap.add_argument("--splits-sweep", type=int, nargs="*", default=[],
+                    help="also time the decode kernel at these split counts (fraction of copy bandwidth)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
@@ -173,14 +179,14 @@ def main() -> None:
     copy_gbps = copy_bandwidth()
     result["copy_GBps"] = copy_gbps
     result["prefill"] = []
-    for S in (1024, 4096, 16384):
+    for S in (1024, 4096, 16384) if args.only != "decode" else ():
         print(f"prefill S={S} ...", flush=True)
         result["prefill"].append(bench_prefill(S))
         torch.cuda.empty_cache()
     result["decode"] = []
-    for B, L in ((1, 32768), (32, 4096), (128, 2048)):
+    for B, L in ((1, 32768), (32, 4096), (128, 2048)) if args.only != "prefill" else ():
         print(f"decode B={B} L={L} ...", flush=True)
-        result["decode"].append(bench_decode(B, L, copy_gbps))
+        result["decode"].append(bench_decode(B, L, copy_gbps, sweep=args.splits_sweep))
         torch.cuda.empty_cache()
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -204,6 +210,8 @@ def main() -> None:
               f"{fmt(r['ridge_GBps'], '.0f'):>6} {fmt(r['ridge_frac_copy_bw'], '.2f'):>5} "
               f"{fmt(sdpa_us):>8} {fmt(r['sdpa_GBps'], '.0f'):>6} "
               f"{fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} {r['ridge_rel_err']:>9.2e}")
+        if r["splits_sweep"]:
+            print("      splits -> frac of copy bw: " + "  ".join(f"{s}:{f:.2f}" for s, f in r["splits_sweep"].items()))
 
 
 if __name__ == "__main__":

@@ -139,10 +139,17 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough programs for ~4 resident CTAs per SM, but no split shorter than 256 keys."""
+    """Enough programs to fill the SMs, but no split shorter than 256 keys.
+
+    Measured on an H200 (benchmarks/attention.py --splits-sweep, 2026-11-21): once
+    batch x kv heads alone covers the SMs, ~2 programs per SM is best (B=32, L=4k: 2 splits
+    reach 90% of copy bandwidth, 3 only 71%; B=128, L=2k: 1 split 93%); below that, more
+    splits pay (B=1, L=32k: 64 splits 62%, 32 splits 56%).
+    """
     if device.type != "cuda" or _INTERPRET:
         return max(1, min(3, triton.cdiv(max_seq_len, 32)))  # small and odd: exercises the merge
-    target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = (2 if batch * num_kv_heads >= sms else 4) * sms
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     return max(1, min(splits, _MAX_SPLITS, max_seq_len // _MIN_KEYS_PER_SPLIT))
 
