@@ -39,10 +39,13 @@ def _configs() -> list[triton.Config]:
                              (128, 8, 3), (64, 8, 4))]
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT"])
+# The best pipeline depth and tile depend on how much each program streams and on how many
+# programs share the SMs, so both (coarsely bucketed) are part of the key: without them the
+# first shape's winner served every later shape (B=1, L=32k varied 52-147 us between runs).
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"])
 @triton.jit
 def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_loc, seq_lens,
-                         qk_scale, window, num_splits,
+                         qk_scale, window, num_splits, work_bucket, grid_bucket,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -154,6 +157,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     return max(1, min(splits, _MAX_SPLITS, max_seq_len // _MIN_KEYS_PER_SPLIT))
 
 
+def _tuning_buckets(keys_per_program: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(keys each program streams: <=256, <=1k, <=4k, more) x (programs: < SMs, < 4x SMs, more)."""
+    work = min(3, max(0, (max(keys_per_program, 1) - 1).bit_length() - 8 + 1) // 2)
+    if device.type != "cuda" or _INTERPRET:
+        return work, 0
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return work, 0 if programs < sms else (1 if programs < 4 * sms else 2)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
@@ -191,6 +203,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
         scale * _LOG2E, sliding_window or 0, num_splits,
+        *_tuning_buckets(triton.cdiv(seq_span, num_splits), batch * num_kv_heads * num_splits, q.device),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
