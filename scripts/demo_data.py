@@ -8,8 +8,8 @@ Corpus
     ``_sysconfigdata*`` modules. Files that are not valid UTF-8 or are blank are
     skipped. Paths are relative POSIX paths (e.g. ``"json/decoder.py"``), sorted.
 
-Options (set by train_demo_model.py)
-    ``--include-tests`` also takes the stdlib's own test suite (``Lib/test``), which
+Options (train_demo_model.py flags)
+    ``--include-tests`` (``include_tests=True``) also takes the stdlib's own test suite (``Lib/test``), which
     quadruples the corpus where the install has it; ``--stdlib DIR`` reads another
     standard-library tree (the bundled models were trained on CPython 3.11.7's Lib
     with its tests, carried to a GPU machine whose Python has no Lib/test).
@@ -40,21 +40,17 @@ EXCLUDED_DIRS = frozenset({
 })
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 HELDOUT_PREFIXES = ("0", "1")
-# The stdlib's own test suite (Lib/test) triples the corpus where the Python install has it;
-# set by train_demo_model.py --include-tests.
-INCLUDE_TESTS = False
-STDLIB_OVERRIDE: str | None = None       # train_demo_model.py --stdlib
 
 
 def stdlib_dir() -> str:
-    return STDLIB_OVERRIDE or sysconfig.get_paths()["stdlib"]
+    return sysconfig.get_paths()["stdlib"]
 
 
 def is_heldout(relpath: str) -> bool:
     return hashlib.sha1(relpath.encode("utf-8")).hexdigest().startswith(HELDOUT_PREFIXES)
 
 
-def all_files(stdlib: str | None = None) -> list[str]:
+def all_files(stdlib: str | None = None, include_tests: bool = False) -> list[str]:
     """Sorted relative POSIX paths of the corpus files (before content checks)."""
     stdlib = stdlib or stdlib_dir()
     out = []
@@ -62,7 +58,7 @@ def all_files(stdlib: str | None = None) -> list[str]:
         rel_root = os.path.relpath(root, stdlib)
         parts = [] if rel_root == "." else rel_root.split(os.sep)
         # Skip excluded directories and non-package dirs like config-3.11-x86_64-linux-gnu.
-        excluded = EXCLUDED_DIRS - TEST_DIRS if INCLUDE_TESTS else EXCLUDED_DIRS
+        excluded = EXCLUDED_DIRS - TEST_DIRS if include_tests else EXCLUDED_DIRS
         dirs[:] = [d for d in dirs if d not in excluded and not d.startswith("config-")]
         for f in files:
             if f.endswith(".py") and not f.startswith("_sysconfigdata"):
@@ -70,12 +66,12 @@ def all_files(stdlib: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def heldout_files(stdlib: str | None = None) -> list[str]:
-    return [p for p in all_files(stdlib) if is_heldout(p)]
+def heldout_files(stdlib: str | None = None, include_tests: bool = False) -> list[str]:
+    return [p for p in all_files(stdlib, include_tests) if is_heldout(p)]
 
 
-def train_files(stdlib: str | None = None) -> list[str]:
-    return [p for p in all_files(stdlib) if not is_heldout(p)]
+def train_files(stdlib: str | None = None, include_tests: bool = False) -> list[str]:
+    return [p for p in all_files(stdlib, include_tests) if not is_heldout(p)]
 
 
 def read_files(stdlib: str | None, relpaths: list[str]) -> tuple[list[str], list[str]]:

@@ -206,13 +206,10 @@ def main(argv=None):
                    help="cap on held-out windows for the final eval (default: all)")
     p.add_argument("--heldout-only", action="store_true", help="list held-out files and exit")
     args = p.parse_args(argv)
-    demo_data.INCLUDE_TESTS = args.include_tests
-    if args.stdlib:
-        demo_data.STDLIB_OVERRIDE = os.path.abspath(args.stdlib)
-
-    stdlib = demo_data.stdlib_dir()
+    stdlib = os.path.abspath(args.stdlib) if args.stdlib else demo_data.stdlib_dir()
+    tests = args.include_tests
     if args.heldout_only:
-        print("\n".join(demo_data.read_files(stdlib, demo_data.heldout_files(stdlib))[0]))
+        print("\n".join(demo_data.read_files(stdlib, demo_data.heldout_files(stdlib, tests))[0]))
         return
     if not args.out:
         p.error("--out is required")
@@ -227,8 +224,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     # ---- data + tokenizer
-    train_paths, train_texts = demo_data.read_files(stdlib, demo_data.train_files(stdlib))
-    eval_paths, eval_texts = demo_data.read_files(stdlib, demo_data.heldout_files(stdlib))
+    train_paths, train_texts = demo_data.read_files(stdlib, demo_data.train_files(stdlib, tests))
+    eval_paths, eval_texts = demo_data.read_files(stdlib, demo_data.heldout_files(stdlib, tests))
     print(f"python {platform.python_version()} stdlib {stdlib}: "
           f"{len(train_paths)} train files, {len(eval_paths)} held-out files")
     t0 = time.time()
@@ -357,7 +354,7 @@ def main(argv=None):
         "lr": args.lr,
         "dropout": args.dropout,
         "include_tests": args.include_tests,
-        "stdlib": demo_data.stdlib_dir(),
+        "stdlib": stdlib,
         "warmup": warmup,
         "train_tokens_seen": steps_done * args.batch_size * args.seq_len,
         "final_train_loss": round(final_train_loss, 4),

@@ -141,6 +141,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough programs to fill the SMs, but no split shorter than 256 keys.
 
@@ -151,7 +155,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     """
     if device.type != "cuda" or _INTERPRET:
         return max(1, min(3, triton.cdiv(max_seq_len, 32)))  # small and odd: exercises the merge
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _device_sms(device)
     target = (2 if batch * num_kv_heads >= sms else 4) * sms
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     return max(1, min(splits, _MAX_SPLITS, max_seq_len // _MIN_KEYS_PER_SPLIT))
@@ -162,7 +166,7 @@ def _tuning_buckets(keys_per_program: int, programs: int, device: torch.device) 
     work = min(3, max(0, (max(keys_per_program, 1) - 1).bit_length() - 8 + 1) // 2)
     if device.type != "cuda" or _INTERPRET:
         return work, 0
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _device_sms(device)
     return work, 0 if programs < sms else (1 if programs < 4 * sms else 2)
 
 
