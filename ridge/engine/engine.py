@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from dataclasses import dataclass
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.block_manager import BlockManager
@@ -17,6 +18,19 @@ from ridge.engine.request import Logprob, Request, RequestOutput, Sequence, SeqS
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import Scheduler, SchedulerOutput
 from ridge.runner.model_runner import ModelRunner
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics endpoints and benchmarks; counters are totals since start."""
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float          # fraction of pages held by a sequence (cached-free pages count as free)
+    num_preemptions: int
+    prompt_tokens: int             # prompt tokens computed (prefix-cache hits not counted)
+    generation_tokens: int         # tokens sampled
 
 
 class Engine:
@@ -30,6 +44,8 @@ class Engine:
         self.eos_ids = list(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -98,6 +114,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,
+                           bm.num_free_blocks, bm.usage(), self.scheduler.num_preemptions,
+                           self.prompt_tokens_computed, self.generation_tokens)
+
     # -- the step loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -106,6 +128,13 @@ class Engine:
                 # admission checks make this unreachable; fail loudly rather than spin
                 raise RuntimeError("scheduler: waiting requests but nothing can be scheduled")
             return []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            req = item.seq.request
+            req.first_scheduled_time = req.first_scheduled_time or now
+            if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
+                self.prompt_tokens_computed += min(item.num_new_tokens,
+                                                   item.seq.num_prompt_tokens - item.seq.num_computed_tokens)
         fwd = self.runner.execute(sched)                   # logits: one row per sequence that samples
         for seq, positions, values in fwd.prompt_logprobs:
             for p, v in zip(positions, values):
@@ -151,8 +180,10 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             touched[req.request_id] = req
+        self.generation_tokens += len(tokens)
         for req in touched.values():
             if req.is_finished:
+                req.finished_time = now
                 self.requests.pop(req.request_id, None)
         return [RequestOutput.of(r) for r in touched.values()]
 

@@ -71,11 +71,23 @@ class Request:
     max_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic) of a request's life: queue time is
+    first_scheduled - arrival, time to first token first_token - arrival."""
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
 
 
 @dataclass
@@ -95,6 +107,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[float | None] | None = None
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
@@ -102,4 +115,6 @@ class RequestOutput:
                                  list(s.logprobs) if s.logprobs is not None else None) for s in req.seqs]
         prompt_lps = req.seqs[0].prompt_logprobs
         return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished,
-                   list(prompt_lps) if prompt_lps is not None else None)
+                   list(prompt_lps) if prompt_lps is not None else None,
+                   RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                  req.finished_time))
