@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--json", default=None, help="write the result as JSON here")
     e.set_defaults(func=cmd_eval_ppl)
+
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    del bench_sub  # each benchmark module registers its own subcommand here
     return ap
 
 
