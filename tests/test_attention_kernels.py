@@ -81,18 +81,23 @@ def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, page=16, dty
     return to(q), to(k_cache), to(v_cache), meta, to(k_new), to(v_new)
 
 
-def run_poisoned(fn, q, *args, **kwargs):
+def run_poisoned(fn, q, k_new, v_new, kc, vc, meta, scale, window=None, **kwargs):
+    """Run a kernel into a NaN-filled output. The prefill kernel (and the dispatcher) also read
+    the new tokens' contiguous k/v; the decode kernel reads everything from the cache."""
     out = torch.full_like(q, float("nan"))
-    res = fn(q, *args, out=out, **kwargs)
+    if fn is decode_attention:
+        res = fn(q, kc, vc, meta, scale, window, out=out, **kwargs)
+    else:
+        res = fn(q, k_new, v_new, kc, vc, meta, scale, window, out=out, **kwargs)
     assert res is out
     assert not torch.isnan(out).any(), "kernel left output elements unwritten (or produced NaN)"
     return out
 
 
 def check(q_lens, ctx_lens, heads, kv_heads, head_dim, fn, page=16, window=None, **kwargs):
-    q, kc, vc, meta, _, _ = make_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, page)
+    q, kc, vc, meta, k_new, v_new = make_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, page)
     scale = 1.0 / math.sqrt(head_dim)
-    out = run_poisoned(fn, q, kc, vc, meta, scale, window, **kwargs)
+    out = run_poisoned(fn, q, k_new, v_new, kc, vc, meta, scale, window, **kwargs)
     ref = paged_attention_ref(q, kc, vc, meta, scale, sliding_window=window)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
@@ -130,6 +135,18 @@ def test_prefill_sliding_window():
     check([40, 3], [40, 70], 4, 4, 64, prefill_attention, window=1)
 
 
+def test_prefill_reads_new_kv_from_strided_views():
+    """In the model, q/k/v are column slices of one QKV GEMM output: row stride > row width."""
+    q, kc, vc, meta, k, v = make_batch([20, 35], [52, 35], 8, 2, 64)
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    qv, kv_, vv = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=1)
+    qv, kv_, vv = qv.view(T, 8, 64), kv_.view(T, 2, 64), vv.view(T, 2, 64)
+    assert not kv_.is_contiguous()
+    out = run_poisoned(prefill_attention, qv, kv_, vv, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125), atol=1e-4, rtol=1e-4)
+
+
 def test_prefill_head_dim_256():
     check([20, 1], [40, 23], 2, 1, 256, prefill_attention)
 
@@ -147,10 +164,10 @@ def test_decode_ragged(heads, kv_heads, head_dim):
 @pytest.mark.parametrize("num_splits", [1, 2, 8])
 def test_decode_num_splits_and_workspace(num_splits):
     lens = [1, 45, 129, 16]
-    q, kc, vc, meta, _, _ = make_batch([1] * len(lens), lens, 8, 2, 64)
+    q, kc, vc, meta, k_new, v_new = make_batch([1] * len(lens), lens, 8, 2, 64)
     n = len(lens) * 8 * num_splits
     ws = (torch.full((n * 64,), float("nan")), torch.full((n,), float("nan")))
-    out = run_poisoned(decode_attention, q, kc, vc, meta, 0.125, num_splits=num_splits,
+    out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=num_splits,
                        workspace=ws)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125),
                                atol=1e-4, rtol=1e-4)
@@ -179,12 +196,14 @@ def test_dispatch_decode_and_mixed():
 
 
 def test_unsupported_inputs_raise():
-    q, kc, vc, meta, _, _ = make_batch([3], [3], 2, 1, 48)
+    q, kc, vc, meta, k, v = make_batch([3], [3], 2, 1, 48)
     with pytest.raises(ValueError, match="head_dim"):
-        prefill_attention(q, kc, vc, meta, 0.1)
-    q, kc, vc, meta, _, _ = make_batch([2], [5], 2, 1, 64)
+        prefill_attention(q, k, v, kc, vc, meta, 0.1)
+    q, kc, vc, meta, k, v = make_batch([2], [5], 2, 1, 64)
     with pytest.raises(ValueError, match="sliding_window"):
-        prefill_attention(q, kc, vc, meta, 0.1, sliding_window=0)
+        prefill_attention(q, k, v, kc, vc, meta, 0.1, sliding_window=0)
+    with pytest.raises(ValueError, match="new k"):
+        prefill_attention(q, k[:1], v[:1], kc, vc, meta, 0.1)
     with pytest.raises(ValueError, match="max_query_len"):
         decode_attention(q, kc, vc, meta, 0.1)
 
@@ -229,7 +248,7 @@ def gpu_check(q_lens, ctx_lens, heads, kv_heads, head_dim, fn, seed, window=None
     write_kv(k_new, v_new, kc2, vc2, meta.slot_mapping)
     assert torch.equal(kc2.nan_to_num(), kc.nan_to_num()) and torch.equal(vc2.nan_to_num(), vc.nan_to_num())
     scale = 1.0 / math.sqrt(head_dim)
-    out = run_poisoned(fn, q, kc2, vc2, meta, scale, window)
+    out = run_poisoned(fn, q, k_new, v_new, kc2, vc2, meta, scale, window)
     ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale, sliding_window=window)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel <= 1e-2, rel

@@ -8,11 +8,12 @@ from ridge.kernels.decode_attention import decode_attention
 from ridge.kernels.prefill_attention import prefill_attention
 
 
-def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float,
+def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                            sliding_window: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as attention_ref.paged_attention_ref (K/V of the new tokens already cached).
+    """The contract of attention_ref.paged_attention_ref (K/V of the new tokens already cached),
+    plus the new tokens' k, v ([T, kvh, d]), which the prefill kernel reads contiguously.
 
     A decode-only batch (every q_len <= 1) goes to the split-KV decode kernel, whose GQA packing
     and context splitting suit one query row per sequence; anything with a longer chunk goes to
@@ -20,4 +21,4 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if meta.max_query_len <= 1:
         return decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out)
-    return prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out)
+    return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, out=out)

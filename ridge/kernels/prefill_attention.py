@@ -1,17 +1,22 @@
 """Prefill / chunked-prefill attention over the paged KV cache (FlashAttention-2 style, Triton).
 
 One program owns a BLOCK_M tile of one sequence's query rows for one query head. The Q tile stays
-in registers; K/V tiles of BLOCK_N keys stream through shared memory, gathered row by row through
-the block table (a key row is head_dim contiguous elements, so every row is one wide coalesced
-load even though consecutive keys may live on different physical pages). Softmax is computed
-online (running max m, running sum l) so the [M, N] score tile never leaves the chip, and the
-result is divided by l once at the end.
+in registers; K/V tiles of BLOCK_N keys stream through shared memory; softmax is computed online
+(running max m, running sum l) so the [M, N] score tile never leaves the chip, and the result is
+divided by l once at the end.
 
-The new tokens' K/V are already in the cache (write_kv ran first), so the prefix (cached pages,
-earlier chunks) and the chunk's own keys are read the same way; the query rows are the last q_len
-positions of the seq_len context. Tiles entirely left of the diagonal need no mask and run in a
-mask-free loop; the few tiles straddling the diagonal run in a second, masked loop; tiles right
-of the diagonal (fully masked) are never visited.
+A chunk's context has two parts, read two ways:
+  * the cached prefix (prefix-cache hits, earlier chunks): gathered row by row through the block
+    table (a key row is head_dim contiguous elements, so each row is one wide coalesced load even
+    though consecutive keys may sit on different physical pages);
+  * the chunk's own keys: read from the contiguous [T, kvh, d] K/V projections through tensor
+    descriptors. On Hopper a descriptor load is one TMA instruction: the copy engine moves the
+    whole tile into shared memory with no per-element address arithmetic in registers, and
+    rows past the sequence end come back as zeros (no mask needed). A plain prefill is all of
+    this second kind, which is where the time goes.
+Prefix tiles are always fully visible (only a sliding window or the last partial tile masks
+them). For the chunk's own keys, tiles entirely left of the diagonal run in a mask-free loop,
+the tiles straddling it in a second, masked loop, and tiles right of it are never visited.
 """
 from __future__ import annotations
 
@@ -50,12 +55,12 @@ if _INTERPRET:
 
 def _configs() -> list[triton.Config]:
     if _INTERPRET:  # autotuning under the CPU interpreter would run every config: use one small one
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # Hopper: BLOCK_M=128 gives the wgmma units a full 64-row instruction per warpgroup (8 warps =
-    # 2 warpgroups); BLOCK_N 64/128 amortises the softmax bookkeeping per tile; 2-3 stages of
-    # cp.async prefetch hide HBM latency behind the two tensor-core GEMMs of the previous tile.
+    # 2 warpgroups); BLOCK_N 64/128 amortises the softmax bookkeeping per tile; 2-4 stages of
+    # TMA prefetch hide HBM latency behind the two tensor-core GEMMs of the previous tile.
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+            for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -64,60 +69,71 @@ def _prune(configs, named_args, **kwargs):
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         acc_regs = bm * d // (32 * c.num_warps)                 # fp32 accumulator regs per thread
-        smem = 2 * (bm * d + (c.num_stages - 1) * 2 * bn * d)   # bf16 Q + K/V tiles in flight
-        # 8 warps = 2 warpgroups only pay off with a 128-row tile (wgmma is 64 rows per group);
-        # a 128x32 tile spends more on softmax bookkeeping than on the two GEMMs.
-        useful = (bm == 128) == (c.num_warps == 8) and not (bm == 128 and bn == 32)
-        if acc_regs <= 128 and smem <= 200 * 1024 and useful:
+        smem = 2 * (bm * d + c.num_stages * 2 * bn * d)         # bf16 Q + K/V tiles in flight
+        # 8 warps = 2 warpgroups only pay off with a 128-row tile (wgmma is 64 rows per group).
+        useful = (bm == 128) == (c.num_warps == 8)
+        if acc_regs <= 128 and smem <= 220 * 1024 and useful:
             keep.append(c)
     return keep or configs[:1]
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, start_n, q_pos, ctx_len, window, qk_scale,
-                 K, V, bt_row, offs_n, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-                 PAGE: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    k_idx = start_n + offs_n
-    # Gather through the block table: key k lives at row k % PAGE of physical page bt[k // PAGE].
-    if MASKED:
-        k_ok = k_idx < ctx_len
-        page = tl.load(bt_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
+def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, key_end, window,
+                  CAUSAL: tl.constexpr, LIMIT: tl.constexpr, SLIDING: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Fold one K/V tile into the running (acc, l, m). Scores carry scale*log2(e), so the
+    softmax uses exp2, a single MUFU.EX2 op. Masks are compile-time: the mask-free tiles (most of
+    them) pay for no compare/select at all."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if CAUSAL or LIMIT or SLIDING:
+        ok = tl.full(qk.shape, 1, tl.int1)
+        if CAUSAL:
+            ok = ok & (key_pos[None, :] <= q_pos[:, None])
+        if LIMIT:
+            ok = ok & (key_pos[None, :] < key_end)
+        if SLIDING:
+            ok = ok & (key_pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if SLIDING:  # a row may have seen no visible key yet: keep exp2 away from (-inf) - (-inf)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
     else:
-        page = tl.load(bt_row + k_idx // PAGE).to(tl.int64)
-    row = (k_idx % PAGE).to(tl.int64)
-    k_ptrs = K + page[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = V + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    # Scores pre-multiplied by scale*log2(e): the softmax then uses exp2, a single MUFU.EX2 op,
-    # instead of exp (an extra multiply per element on the critical path).
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        qk = tl.where(k_idx[None, :] <= q_pos[:, None], qk, float("-inf"))
-    if SLIDING:
-        qk = tl.where(k_idx[None, :] > q_pos[:, None] - window, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if SLIDING:  # a row may have seen no visible key yet: keep exp2 away from (-inf) - (-inf)
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # scale folded into the max and the exponent: one FMA per score instead of a mul and a sub
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING"],
+@triton.jit
+def _gather_pages(K, V, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+                  key_end, PAGE: tl.constexpr, LIMIT: tl.constexpr):
+    """K/V rows of cached keys `key_pos`: key k lives at row k % PAGE of page bt[k // PAGE]."""
+    if LIMIT:
+        k_ok = key_pos < key_end
+        page = tl.load(bt_row + key_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + key_pos // PAGE).to(tl.int64)
+    row = (key_pos % PAGE).to(tl.int64)
+    k_ptrs = K + page[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
+    if LIMIT:
+        return (tl.load(k_ptrs, mask=k_ok[:, None], other=0.0),
+                tl.load(v_ptrs, mask=k_ok[:, None], other=0.0))
+    return tl.load(k_ptrs), tl.load(v_ptrs)
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING", "q_len_bucket"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, block_tables, query_start_loc, seq_lens, qk_scale, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
+def _prefill_kernel(Q, K_new, V_new, K, V, Out, block_tables, query_start_loc, seq_lens,
+                    qk_scale, window, q_len_bucket,
+                    stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                    stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     SLIDING: tl.constexpr, PRECISION: tl.constexpr,
@@ -132,47 +148,74 @@ def _prefill_kernel(Q, K, V, Out, block_tables, query_start_loc, seq_lens, qk_sc
         return
     # Launch the heaviest (bottom, most keys) causal tiles first so short ones fill the tail wave.
     m_block = n_mblocks - 1 - pid_m
-    ctx_len = tl.load(seq_lens + seq)
-    prefix = ctx_len - q_len
+    prefix = tl.load(seq_lens + seq) - q_len
     kv_head = head // GROUP  # GQA / MQA
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # This sequence's rows of Q / O / new K / new V as [q_len, HEAD_DIM] descriptors: tiles past
+    # q_len load as zeros and are dropped on store.
+    q_desc = tl.make_tensor_descriptor(Q + q_start.to(tl.int64) * stride_qt + head * stride_qh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(Out + q_start.to(tl.int64) * stride_ot + head * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_ot, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K_new + q_start.to(tl.int64) * stride_nkt + kv_head * stride_nkh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_nkt, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V_new + q_start.to(tl.int64) * stride_nvt + kv_head * stride_nvh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_nvt, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+
+    first_q = m_block * BLOCK_M                      # local row index of the tile's first query
+    offs_m = first_q + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q_pos = prefix + offs_m
-    q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-
+    q = q_desc.load([first_q, 0])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # 1. The cached prefix, positions [0, prefix): visible to every row (causally).
+    q_pos = prefix + offs_m
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
-
-    first_q = prefix + m_block * BLOCK_M
-    last_q = tl.minimum(first_q + BLOCK_M, ctx_len) - 1
-    # Keys [lo, full_end) are visible to every row of the tile (below the diagonal): no causal mask.
-    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
     lo = 0
     if SLIDING:  # tiles entirely left of every row's window are skipped
-        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(prefix + first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+    full_end = prefix // BLOCK_N * BLOCK_N
     for start_n in range(lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start_n, q_pos, ctx_len, window, qk_scale,
-                                     K_h, V_h, bt_row, offs_n, offs_d, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, PAGE, False, SLIDING, PRECISION)
-    # Diagonal tiles: causal mask (and key < ctx_len) applied.
-    for start_n in range(full_end, last_q + 1, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start_n, q_pos, ctx_len, window, qk_scale,
-                                     K_h, V_h, bt_row, offs_n, offs_d, stride_kb, stride_kt,
-                                     stride_vb, stride_vt, PAGE, True, SLIDING, PRECISION)
+        key_pos = start_n + offs_n
+        k, v = _gather_pages(K_h, V_h, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb,
+                             stride_vt, prefix, PAGE, False)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, prefix,
+                                      window, False, False, SLIDING, PRECISION)
+    if full_end < prefix and full_end >= lo:  # the prefix's last, partial tile
+        key_pos = full_end + offs_n
+        k, v = _gather_pages(K_h, V_h, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb,
+                             stride_vt, prefix, PAGE, True)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, prefix,
+                                      window, False, True, SLIDING, PRECISION)
+
+    # 2. The chunk's own keys, in local coordinates (key j, row i: visible if j <= i).
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+    diag_start = (first_q + 1) // BLOCK_N * BLOCK_N  # keys below it are visible to every row
+    for start_n in range(lo, diag_start, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, start_n + offs_n, offs_m,
+                                      q_len, window, False, False, SLIDING, PRECISION)
+    diag_end = tl.minimum(first_q + BLOCK_M, q_len)
+    for start_n in range(diag_start, diag_end, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, start_n + offs_n, offs_m,
+                                      q_len, window, True, False, SLIDING, PRECISION)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
-    out = acc / l_i[:, None]
-    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    o_desc.store([first_q, 0], (acc / l_i[:, None]).to(Out.dtype.element_ty))
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None) -> None:
@@ -185,35 +228,61 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | 
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """A tensor descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but
+    the last (which must be 1). The engine's q/k/v views of the QKV GEMM output already are;
+    anything else is copied once rather than read wrongly."""
+    b = t.element_size()
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(s * b % 16 == 0 for s in t.stride()[:-1]))
+    return t if ok else t.contiguous()
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of q ([T, H, d]) over each sequence's paged context; returns [T, H, d].
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory where each program writes the tensor descriptors it builds (128 B each)."""
+    device = "cpu" if _INTERPRET else "cuda"
+    return torch.empty(size, dtype=torch.int8, device=device)
 
-    Handles any mix of chunk lengths (q_len 1 decode rows included) and cached prefixes.
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q ([T, H, d]) over each sequence's context; returns [T, H, d].
+
+    k, v ([T, kvh, d]) are the batch's new keys/values (also already written to the cache); the
+    positions before them come from the cache pages. Handles any mix of chunk lengths (q_len 1
+    decode rows included) and cached prefixes.
     """
     _check_inputs(q, k_cache, sliding_window)
-    q = _last_dim_contiguous(q)
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)} "
+                         f"and cache {tuple(k_cache.shape)}")
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     k_cache, v_cache = _last_dim_contiguous(k_cache), _last_dim_contiguous(v_cache)
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if out is None:
-        out = torch.empty_like(q)
+    result = out if out is not None else torch.empty_like(q)
+    out = _tma_ready(result)
     if num_tokens == 0 or meta.num_seqs == 0:
-        return out
+        return result
     bt = meta.block_tables
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    # The allocator lives in a context variable: set it on every call, from whatever thread runs.
+    triton.set_allocator(_descriptor_scratch)
     grid = lambda META: (triton.cdiv(meta.max_query_len, META["BLOCK_M"]), num_heads, meta.num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens,
-        scale * _LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k, v, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens,
+        scale * _LOG2E, sliding_window or 0, min(triton.next_power_of_2(meta.max_query_len), 4096),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
         SLIDING=sliding_window is not None, PRECISION=precision)
-    return out
+    if out is not result:
+        result.copy_(out)
+    return result

@@ -21,7 +21,12 @@ class AttentionBackend:
     attend: Callable
 
 
-TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, paged_attention_ref)
+def _torch_attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+    """The reference reads every key, new ones included, back from the cache: the oracle."""
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attend)
 
 
 def triton_supports(head_dim: int) -> bool:
@@ -59,4 +64,4 @@ class Attention(nn.Module):
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
