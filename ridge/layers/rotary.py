@@ -2,7 +2,10 @@
 
 cos/sin are computed once for every position up to max_position in float32, exactly as
 transformers computes them (inverse frequencies in float32, one product per element), and
-gathered per token: a decode step then costs one gather, not a cos/sin per token.
+gathered per token: a decode step then costs one gather, not a cos/sin per token. On CUDA the
+Triton kernel (ridge/kernels/rotary.py) rotates q and k in one launch, computing in fp32 from
+the fp32 tables and rounding once; the torch reference here (the CPU path) rounds cos/sin and
+every intermediate to the input dtype, as transformers does.
 """
 from __future__ import annotations
 
@@ -10,6 +13,11 @@ import math
 
 import torch
 from torch import nn
+
+try:
+    from ridge.kernels.rotary import apply_rotary as apply_rotary_triton
+except ImportError:  # no triton: the reference serves every device
+    apply_rotary_triton = None
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -38,6 +46,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                     sin_table: torch.Tensor):
+    """q: [T, H, d], k: [T, kvh, d]; positions: [T]; tables [max_position, d] float32."""
+    cos = cos_table[positions].to(q.dtype)[:, None, :]
+    sin = sin_table[positions].to(q.dtype)[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -48,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, d], k: [T, kvh, d]; positions: [T]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        """q: [T, H, d], k: [T, kvh, d]; positions: [T]. Returns new (q, k); the inputs are kept."""
+        if q.is_cuda and apply_rotary_triton is not None:
+            return apply_rotary_triton(positions, q, k, self.cos, self.sin)
+        return apply_rotary_ref(positions, q, k, self.cos, self.sin)

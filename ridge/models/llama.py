@@ -15,7 +15,7 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.layers.activation import silu_and_mul_ref
+from ridge.layers.activation import silu_and_mul
 from ridge.layers.attention import Attention, AttentionBackend
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,34 @@
+"""Rounding fp32 results to the storage dtype, the same way on the GPU and in the interpreter.
+
+The fused kernels compute in fp32 registers and round at exactly the points where the torch
+reference rounds (a bf16 op in torch is an fp32 op rounded to nearest-even), so their bf16
+outputs agree with the reference bit for bit, up to fp32-ulp differences in exp/rsqrt. On the
+GPU `.to(tl.bfloat16)` is one cvt.rn instruction. Triton's CPU interpreter instead *truncates*
+fp32 -> bf16 (its converter ignores the default rounding mode), which would make every
+interpreter bf16 comparison off by up to an ulp per rounding point. With EMULATE_RNE (set by
+the launchers only for CPU tensors, i.e. only under the interpreter) the rounding is done in
+integer arithmetic first, so the truncating conversion that follows is exact. Compiled kernels
+never see the emulation: EMULATE_RNE is a constexpr and is False for CUDA tensors.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Round the fp32 tensor x to DTYPE (nearest, ties to even)."""
+    if EMULATE_RNE:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            # add just under half a bf16 ulp, plus one if the kept lsb is odd (ties to even),
+            # then drop the 16 low bits: the bf16 value is now exact in fp32
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+def emulate_rne(t) -> bool:
+    """Only CPU tensors reach a Triton kernel through the interpreter; CUDA ones are compiled."""
+    return t.device.type != "cuda"
