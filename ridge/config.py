@@ -152,3 +152,4 @@ class EngineConfig:
     enable_prefix_caching: bool
     seed: int
     max_n: int
+    enforce_eager: bool = False      # no CUDA graphs for decode (they are CUDA-only anyway)

@@ -2,7 +2,9 @@
 
 bf16 kernels legitimately round differently from transformers, so the check is the usual one:
 the first greedy token that differs (if any) must be within the reference's top-5 at that step.
-Runs on both attention backends (the torch reference and ridge's Triton kernels).
+Runs on the torch reference attention (eager) and on ridge's Triton kernels with decode CUDA
+graphs on ("triton") and off ("triton-eager"); test 5 checks graphs on and off give identical
+outputs.
 """
 import os
 
@@ -45,10 +47,12 @@ def ridge_with_top5(llm, prompts, params_list):
             for o in outs]
 
 
-@pytest.fixture(scope="module", params=os.environ.get("RIDGE_TEST_BACKENDS", "torch,triton").split(","))
+@pytest.fixture(scope="module",
+                params=os.environ.get("RIDGE_TEST_BACKENDS", "torch,triton,triton-eager").split(","))
 def llm(request, big):
-    engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend=request.param, max_model_len=4096,
-                 kv_cache_memory=16 << 30, show_progress=False)
+    backend, _, mode = request.param.partition("-")
+    engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend=backend, max_model_len=4096,
+                 kv_cache_memory=16 << 30, show_progress=False, enforce_eager=mode == "eager")
     yield engine
     del engine
     torch.cuda.empty_cache()
@@ -92,7 +96,8 @@ def test_3_preemption_chunking_prefix_caching(llm, big):
     assert bm.num_free_blocks == bm.num_blocks
     small = LLM(big, dtype="bfloat16", device="cuda", attention_backend=llm.engine.runner.backend.name,
                 max_model_len=4096, kv_cache_memory=80 * llm.engine.runner.kv_bytes_per_block(),
-                max_num_batched_tokens=256, show_progress=False)
+                max_num_batched_tokens=256, show_progress=False, max_num_seqs=16,
+                enforce_eager=llm.engine.cfg.enforce_eager)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for (ref, top5), o in zip(ample, outs):
@@ -136,3 +141,21 @@ def test_4_seeded_sampling(llm, big):
         assert batched[step] in top5 and alone[step] in top5, (step, batched[step], alone[step], top5)
     other = SamplingParams(temperature=0.8, top_p=0.9, seed=4321, max_tokens=24, ignore_eos=True)
     assert llm.generate([target], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_5_cuda_graphs_change_nothing(big):
+    """Decode replayed from CUDA graphs and run eagerly: token for token the same outputs
+    (greedy and seeded sampling, ragged batch, sizes that fall between graph buckets)."""
+    prompts = [prompt_of(n, salt=50 + i) for i, n in enumerate([3, 120, 17, 400, 1, 64, 9, 250, 33, 5, 77])]
+    params = [greedy(20 + i) if i % 2 else
+              SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=i, max_tokens=25, ignore_eos=True)
+              for i in range(len(prompts))]
+    results = []
+    for eager in (False, True):
+        engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend="triton", max_model_len=2048,
+                     kv_cache_memory=4 << 30, max_num_seqs=32, show_progress=False, enforce_eager=eager)
+        assert (engine.engine.runner.decode_graphs.graphs != {}) == (not eager)
+        results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+        del engine
+        torch.cuda.empty_cache()
+    assert results[0] == results[1]

@@ -50,6 +50,7 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None      # [N, V] bool: token in prompt or output (repetition penalty)
     banned: torch.Tensor | None         # [N, V] bool: tokens not allowed yet (min_tokens)
     max_logprobs: int                   # 0: no row wants logprobs
+    all_greedy: bool | None = None      # known on the host (None: read it from `temperature`)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -87,7 +88,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
     logits = apply_penalties(logits, b)
     greedy = b.temperature == 0
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    # The host knows whether every row is greedy; asking the device would stall the host until
+    # the forward pass finishes, and then nothing overlaps with the GPU.
+    all_greedy = b.all_greedy if b.all_greedy is not None else bool(greedy.all())
+    if not all_greedy:
         temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
         probs = filter_probs(torch.softmax(logits / temp[:, None], dim=-1), b)
         noise = -torch.log(uniform_noise(b.seeds, b.steps, logits.shape[-1]))

@@ -15,6 +15,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.request import Sequence
 from ridge.engine.scheduler import SchedulerOutput
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
 from ridge.layers.sampler import SamplingBatch, sample
 from ridge.models.loader import load_model
@@ -40,6 +41,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress)
         self.kv_cache: torch.Tensor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_bytes_per_block(self) -> int:
         m = self.model_cfg
@@ -52,7 +54,40 @@ class ModelRunner:
                                     m.head_dim, dtype=self.cfg.dtype, device=self.device)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
 
+    def setup_decode(self, use_graphs: bool) -> None:
+        """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to.
+        Only with the Triton backend: the torch reference reads host-side lengths that a graph
+        cannot see change. (On a CPU the Triton interpreter runs the same padded static path.)"""
+        if self.backend.name != "triton":
+            return
+        self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
+                                          self.cfg.max_model_len, self.cfg.block_size, self.device)
+        if use_graphs and self.device.type == "cuda":
+            self.decode_graphs.capture()
+        else:
+            self.decode_graphs.prepare_eager()
+
     # -- batch preparation ----------------------------------------------------------------------
+    def decode_inputs(self, sched: SchedulerOutput) -> DecodeInputs | None:
+        """The step as a pure decode batch (every sequence adds its one last token and samples),
+        or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
+        g = self.decode_graphs
+        if g is None or len(sched.scheduled) > g.max_bs:
+            return None
+        bs = self.cfg.block_size
+        step = DecodeInputs([], [], [], [], [])
+        for item in sched.scheduled:
+            seq = item.seq
+            if item.num_new_tokens != 1 or not item.samples or seq.prompt_logprobs is not None:
+                return None
+            p = item.start
+            step.input_ids.append(seq.token_ids[p])
+            step.positions.append(p)
+            step.slots.append(seq.block_table[p // bs] * bs + p % bs)
+            step.seq_lens.append(p + 1)
+            step.block_tables.append(seq.block_table)
+        return step
+
     def prepare(self, sched: SchedulerOutput):
         bs = self.cfg.block_size
         input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
@@ -69,11 +104,7 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
         max_pages = max(len(item.seq.block_table) for item in sched.scheduled)
         tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in sched.scheduled]
-        dev = self.device
-
-        def to_dev(values, dtype):
-            return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-
+        to_dev = self.to_device
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots, torch.int64),
             query_start_loc=to_dev(starts, torch.int32),
@@ -86,10 +117,16 @@ class ModelRunner:
         )
         return to_dev(input_ids, torch.int64), to_dev(positions, torch.int64), meta, sample_rows
 
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device tensor through pinned memory, without waiting for the GPU (a copy
+        from pageable memory would block the host until every queued kernel has run)."""
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
+            src = self.to_device([s for s, _ in copies], torch.int64)
+            dst = self.to_device([d for _, d in copies], torch.int64)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
@@ -97,9 +134,12 @@ class ModelRunner:
         """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
         for requests that score their prompt."""
         self.copy_blocks(sched.block_copies)
+        decode = self.decode_inputs(sched)
+        if decode is not None:
+            return ForwardOutput(self.decode_graphs.run(decode))
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
-        rows = torch.tensor(sample_rows, device=self.device, dtype=torch.int64)
+        rows = self.to_device(sample_rows, torch.int64)
         out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, rows)))
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
@@ -115,7 +155,7 @@ class ModelRunner:
             for lo in range(0, len(targets), _SCORE_ROWS):
                 h = hidden[row0 + lo:row0 + min(lo + _SCORE_ROWS, len(targets))]
                 logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                tgt = torch.tensor(targets[lo:lo + _SCORE_ROWS], device=self.device)[:, None]
+                tgt = self.to_device(targets[lo:lo + _SCORE_ROWS], torch.int64)[:, None]
                 values += logp.gather(1, tgt).squeeze(1).tolist()
             out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
         return out
@@ -126,44 +166,46 @@ class ModelRunner:
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
 
     def sampling_batch(self, seqs: list[Sequence], vocab: int, eos_ids: list[int]) -> SamplingBatch:
-        dev = self.device
+        """Per-row parameters as device tensors. Every host->device copy goes through pinned
+        memory without blocking, so building the batch never waits for the GPU."""
+        to_dev = self.to_device
         ps = [s.request.params for s in seqs]
+        n = len(seqs)
 
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
+        def scatter_mask(pairs: list[tuple[int, int]], dtype) -> torch.Tensor:
+            """[n, vocab] tensor with 1 at (row, token) for each pair (repeats add up)."""
+            t = torch.zeros(n * vocab, dtype=dtype, device=self.device)
+            if pairs:
+                flat = to_dev([r * vocab + tok for r, tok in pairs], torch.int64)
+                t.index_add_(0, flat, torch.ones(len(pairs), dtype=dtype, device=self.device))
+            return t.view(n, vocab)
 
         wants_penalty = any(p.presence_penalty or p.frequency_penalty for p in ps)
         wants_repetition = any(p.repetition_penalty != 1.0 for p in ps)
         counts = seen = banned = None
         if wants_penalty or wants_repetition:
-            counts = torch.zeros(len(seqs), vocab, device=dev)
-            for i, s in enumerate(seqs):
-                out = s.output_token_ids
-                if out:
-                    counts[i].index_add_(0, col(out, torch.int64), torch.ones(len(out), device=dev))
-            if wants_repetition:
-                seen = counts > 0
-                for i, s in enumerate(seqs):
-                    seen[i, col(s.token_ids[:s.num_prompt_tokens], torch.int64)] = True
-        for i, (s, p) in enumerate(zip(seqs, ps)):
-            if s.num_output_tokens < p.min_tokens:
-                stop_ids = [t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
-                if stop_ids:
-                    if banned is None:
-                        banned = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
-                    banned[i, col(stop_ids, torch.int64)] = True
+            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids], torch.float32)
+        if wants_repetition:
+            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]],
+                                  torch.float32)
+            seen = (counts > 0) | (prompt > 0)
+        ban = [(i, t) for i, (s, p) in enumerate(zip(seqs, ps)) if s.num_output_tokens < p.min_tokens
+               for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
+        if ban:
+            banned = scatter_mask(ban, torch.float32) > 0
         return SamplingBatch(
-            temperature=col([p.temperature for p in ps], torch.float32),
-            top_k=col([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64),
-            top_p=col([p.top_p for p in ps], torch.float32),
-            min_p=col([p.min_p for p in ps], torch.float32),
-            seeds=col([s.seed for s in seqs], torch.int64),
-            steps=col([s.num_output_tokens for s in seqs], torch.int64),
-            presence_penalty=col([p.presence_penalty for p in ps], torch.float32),
-            frequency_penalty=col([p.frequency_penalty for p in ps], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in ps], torch.float32),
+            temperature=to_dev([p.temperature for p in ps], torch.float32),
+            top_k=to_dev([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64),
+            top_p=to_dev([p.top_p for p in ps], torch.float32),
+            min_p=to_dev([p.min_p for p in ps], torch.float32),
+            seeds=to_dev([s.seed for s in seqs], torch.int64),
+            steps=to_dev([s.num_output_tokens for s in seqs], torch.int64),
+            presence_penalty=to_dev([p.presence_penalty for p in ps], torch.float32),
+            frequency_penalty=to_dev([p.frequency_penalty for p in ps], torch.float32),
+            repetition_penalty=to_dev([p.repetition_penalty for p in ps], torch.float32),
             output_counts=counts if wants_penalty else None,
             seen_mask=seen,
             banned=banned,
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+            all_greedy=all(p.temperature == 0 for p in ps),
         )
