@@ -32,6 +32,12 @@ class ForwardOutput:
     prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.request.params
+    return (p.temperature == 0 and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0 and seq.num_output_tokens >= p.min_tokens)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True,
                  attention_backend: str = "auto"):
@@ -163,6 +169,8 @@ class ModelRunner:
     # -- sampling -------------------------------------------------------------------------------
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]):
+        if all(_plain_greedy(s) for s in seqs):   # one argmax launch, no per-row parameters
+            return logits.argmax(dim=-1), None
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
 
     def sampling_batch(self, seqs: list[Sequence], vocab: int, eos_ids: list[int]) -> SamplingBatch:
