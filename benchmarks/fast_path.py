@@ -15,6 +15,9 @@ For each --model, in this order:
   (c) workload    256 requests, input and output lengths uniform in [100, 1024], ignore_eos,
                   temperature 0.6 (the workload small engines publish): ridge output tokens/s and the
                   fraction of wall time inside runner.execute + sampling (device busy, upper bound).
+ridge's engine: max_num_seqs 256 (the whole workload runs at once, pages permitting), the
+other engine defaults, decode CUDA graphs unless --enforce-eager; each ridge throughput run is
+preceded by 8 untimed requests (outputs capped at 16 tokens) and HF by one small generate.
 ridge runs first and its engine and KV pool are freed (del, gc, torch.cuda.empty_cache) before
 the HF model loads, so both fit. HF uses attn_implementation=--hf-attn (default "sdpa") and its
 default dynamic KV cache, no torch.compile. Ratios are ridge / HF from the same run.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import os
 import statistics
 import sys
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fast_path.json"))
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
     g = ap.add_argument_group("ridge engine")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -128,7 +133,7 @@ def run_ridge(a, model: str, record) -> None:
         if "latency" in a.parts:
             print(f"[ridge] (a) latency: batch 1, {a.latency_input_len} -> {a.latency_output_len}", flush=True)
             r = run_latency(llm, 1, a.latency_input_len, a.latency_output_len, a.latency_iters, a.latency_warmup,
-                            seed=a.seed, temperature=0.0)
+                            seed=a.seed, temperature=0.0, progress=not a.no_progress)
             record("latency", "ridge", r)
         if "throughput" in a.parts:
             n, li, lo = a.throughput_num_prompts, a.throughput_input_len, a.throughput_output_len
@@ -136,14 +141,15 @@ def run_ridge(a, model: str, record) -> None:
             prompts = RandomPrompts(mc.vocab_size, avoid, a.seed + 1)    # no prefix shared with (a)'s prompts
             reqs = [BenchRequest(prompts.draw(li), lo) for _ in range(n)]
             record("throughput", "ridge", run_throughput(llm, reqs, temperature=0.0, ignore_eos=True,
-                                                         warmup_prompts=min(8, n), seed=a.seed))
+                                                         warmup_prompts=min(8, n), seed=a.seed,
+                                                         progress=not a.no_progress))
         if "workload" in a.parts:
             rng = tuple(a.workload_len_range)
             print(f"[ridge] (c) workload: {a.workload_num_prompts} requests, lengths uniform in {list(rng)}", flush=True)
             prompts = RandomPrompts(mc.vocab_size, avoid, a.seed + 2)
             reqs = synthetic_requests(a.workload_num_prompts, rng, rng, prompts, a.seed)
             r = run_throughput(llm, reqs, temperature=a.workload_temperature, ignore_eos=True,
-                               warmup_prompts=min(8, len(reqs)), seed=a.seed)
+                               warmup_prompts=min(8, len(reqs)), seed=a.seed, progress=not a.no_progress)
             r["dataset"] = dict(kind="random", input_len_range=list(rng), output_len_range=list(rng))
             record("workload", "ridge", r)
     finally:
@@ -176,7 +182,6 @@ def run_hf(a, model: str, record) -> None:
     transformers.logging.set_verbosity_error()
     dtype = getattr(torch, a.dtype)
     device = torch.device(a.device)
-    import importlib.util
     # straight onto the device when accelerate is there (device_map needs it); else via host memory
     placement = dict(device_map=str(device)) if importlib.util.find_spec("accelerate") else {}
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=a.hf_attn, **placement)
@@ -279,6 +284,10 @@ def main(argv=None) -> int:
         models={},
     )
 
+    if "latency" in a.parts:
+        from ridge.bench.latency import measure_ceilings_first
+        print("[roofline] device ceilings (measured once, then read from the cache)", flush=True)
+        measure_ceilings_first(a.device)            # before an engine holds most of the memory
     for model in a.model:
         parts = results["models"].setdefault(model, {})
 

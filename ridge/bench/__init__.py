@@ -1,0 +1,1 @@
+"""Benchmarks run through the ridge CLI: `ridge bench latency | throughput | serve`."""

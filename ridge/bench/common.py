@@ -1,0 +1,206 @@
+"""What `ridge bench latency` and `ridge bench throughput` share: timing hooks on the engine's
+runner, device synchronisation, the run environment, JSON output and the closing table."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device. On CUDA the host runs ahead of the kernels it queued, so a host clock
+    read without this would time the launches, not the work; on the CPU there is nothing to wait for."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one forward pass computed, as the roofline cost model wants it: per scheduled sequence,
+    the tokens fed in this step and the context attended over after it; the rows that sample."""
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_sampled: int
+    greedy: bool
+
+    @classmethod
+    def of(cls, sched) -> "StepRecord":
+        items = sched.scheduled
+        return cls(tuple(i.num_new_tokens for i in items), tuple(i.start + i.num_new_tokens for i in items),
+                   sum(1 for i in items if i.samples), all(i.seq.request.params.greedy for i in items))
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+@dataclass
+class RunnerTimer:
+    """Host-clock time around `runner.execute` (batch preparation, forward, logits) and
+    `runner.sample`, accumulated over a run; optionally the shape of every step.
+
+    The engine is used as it is: the two bound methods are replaced on the runner *instance* for
+    the duration of the `with` block and restored after it.
+
+    Synchronisation: one, at the end of `sample`, so that its time includes the device finishing
+    the step's kernels. It costs nothing: the engine reads the sampled tokens on the host right
+    after `sample` returns, which waits for the same kernels. No synchronise is added after
+    `execute`: on CUDA it returns once the forward is queued, and the engine's bookkeeping between
+    the two calls (`between_s`) runs while the forward is still on the device. So on CUDA the
+    device's busy time is the span from entering `execute` to leaving `sample` (an upper bound:
+    it assumes the device never idles inside it); on a CPU, where `execute` returns only when the
+    forward is done, it is the time inside the two calls."""
+    engine: object
+    record_shapes: bool = False
+    execute_s: float = 0.0
+    sample_s: float = 0.0
+    between_s: float = 0.0
+    execute_calls: int = 0
+    sample_calls: int = 0
+    shapes: list[StepRecord] = field(default_factory=list)
+
+    def __enter__(self) -> "RunnerTimer":
+        runner = self.engine.runner
+        device = self.engine.cfg.device
+        self._saved = {name: runner.__dict__.get(name) for name in ("execute", "sample")}
+        execute, sample = runner.execute, runner.sample
+        self._execute_end = None
+
+        def timed_execute(sched, *args, **kwargs):
+            if self.record_shapes:
+                self.shapes.append(StepRecord.of(sched))     # before the engine advances the sequences
+            t = time.perf_counter()
+            out = execute(sched, *args, **kwargs)
+            self._execute_end = time.perf_counter()
+            self.execute_s += self._execute_end - t
+            self.execute_calls += 1
+            return out
+
+        def timed_sample(*args, **kwargs):
+            t = time.perf_counter()
+            if self._execute_end is not None:
+                self.between_s += t - self._execute_end
+                self._execute_end = None
+            out = sample(*args, **kwargs)
+            sync(device)
+            self.sample_s += time.perf_counter() - t
+            self.sample_calls += 1
+            return out
+
+        runner.execute, runner.sample = timed_execute, timed_sample
+        return self
+
+    def __exit__(self, *exc) -> None:
+        runner = self.engine.runner
+        for name, saved in self._saved.items():
+            if saved is None:
+                runner.__dict__.pop(name, None)
+            else:
+                setattr(runner, name, saved)
+
+    @property
+    def inside_calls_s(self) -> float:
+        return self.execute_s + self.sample_s
+
+    @property
+    def device_s(self) -> float:
+        """Time the device is taken to be busy with the steps (see the class docstring)."""
+        if self.engine.cfg.device.type == "cuda":
+            return self.execute_s + self.between_s + self.sample_s
+        return self.execute_s + self.sample_s
+
+    def check_engaged(self, steps: int) -> None:
+        """The hooks only see what the engine routes through `runner.execute`/`runner.sample`; if the
+        step loop stops calling them, say so instead of reporting a busy fraction of zero."""
+        if steps and (self.execute_calls == 0 or self.sample_calls == 0):
+            raise RuntimeError("bench: the engine ran steps without calling runner.execute/runner.sample, "
+                               "so the device time cannot be measured; update ridge/bench/common.py")
+
+
+def resolve_max_model_len(model: str | None, max_model_len: int | None):
+    """(the max_model_len LLM(...) will use, the ModelConfig), read from config.json alone, so that a
+    benchmark rejects impossible lengths before it spends time loading weights."""
+    from ridge.config import ModelConfig
+    from ridge.engine.llm import default_model_path
+
+    path = model if model is not None else default_model_path()
+    if not os.path.isdir(path):
+        raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
+    model_cfg = ModelConfig.from_dir(path)
+    limit = model_cfg.max_position_embeddings
+    if max_model_len is not None and not 1 < max_model_len <= limit:
+        raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
+                         f"got {max_model_len}")
+    return max_model_len or limit, model_cfg
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def environment(engine) -> dict:
+    """The facts a reader needs to reproduce a number: device, versions, commit, engine config."""
+    import ridge
+    cfg, runner = engine.cfg, engine.runner
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(ridge.__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    backend = getattr(runner, "backend", None)
+    graphs = getattr(getattr(runner, "decode_graphs", None), "graphs", None)
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device_name(cfg.device), torch=torch.__version__, ridge=ridge.__version__, commit=commit or None,
+        model=cfg.model, dtype=str(cfg.dtype).removeprefix("torch."), device_type=cfg.device.type,
+        attention_backend=getattr(backend, "name", None), max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=getattr(cfg, "enforce_eager", None), decode_cuda_graphs=len(graphs) if graphs else 0,
+    )
+
+
+def summarize(values: list[float]) -> dict | None:
+    """mean / median / p90 / p99 / min / max of a sample (None when empty)."""
+    if not values:
+        return None
+    s = sorted(values)
+
+    def pct(q):
+        return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+    return dict(mean=statistics.fmean(s), median=statistics.median(s), p90=pct(0.90), p99=pct(0.99),
+                min=s[0], max=s[-1], n=len(s))
+
+
+def write_json(path: str, obj: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def format_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [title] if title else []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def fmt(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x * scale:{spec}}{suffix}"

@@ -1,0 +1,229 @@
+"""`ridge bench latency`: one batch of fixed-length random prompts through the engine's step loop,
+timed step by step.
+
+    ridge bench latency --model PATH --batch-size 1 --input-len 128 --output-len 256 --json out.json
+
+Each iteration submits `batch` requests of fresh random token ids (seeded; special ids avoided, so
+no prefix-cache hit and no stray BOS/EOS), with ignore_eos and max_tokens = output len, and steps
+the engine until all finish. Per iteration:
+  TTFT  submission -> the end of the step in which the last request of the batch got its first
+        token (the prefill of the whole batch, however many chunks it took);
+  ITL   the wall time of each step after that (all decode steps), pooled over iterations;
+  E2E   submission -> the last token.
+After every step the host waits for the device, so a step's time is its work, not its launches.
+MBU = the bytes the decode steps must move (weights and KV cache read, plus activations and
+logits: ridge.roofline's cost model) / their time / the device's measured copy bandwidth
+(ridge.roofline's ceilings, measured once and cached per device); --roofline adds MFU (FLOPs /
+time / the measured matmul peak of the engine's dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, resolve_max_model_len, summarize, sync,
+                                write_json)
+from ridge.bench.datasets import RandomPrompts, special_token_ids
+
+
+def add_latency_parser(bench_sub) -> argparse.ArgumentParser:
+    from ridge.cli import add_engine_args
+
+    p = bench_sub.add_parser("latency", help="time to first token, inter-token latency and MBU of one batch",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
+    p.add_argument("--num-iters", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup-iters", type=int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--roofline", action="store_true",
+                   help="also report MFU (measures the device's matmul peak once; cached per device)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_latency)
+    return p
+
+
+def check_latency_args(batch: int, input_len: int, output_len: int, num_iters: int, warmup_iters: int,
+                       max_model_len: int, max_num_seqs: int) -> None:
+    for name, value, low in (("batch-size", batch, 1), ("input-len", input_len, 1), ("output-len", output_len, 1),
+                             ("num-iters", num_iters, 1), ("warmup-iters", warmup_iters, 0)):
+        if value < low:
+            raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"input-len + output-len = {input_len + output_len} exceeds max_model_len={max_model_len} "
+                         "(raise --max-model-len, up to the model's max_position_embeddings)")
+    if batch > max_num_seqs:
+        raise ValueError(f"batch-size: {batch} requests cannot run as one batch with max_num_seqs={max_num_seqs} "
+                         "(raise --max-num-seqs)")
+
+
+def _one_batch(engine, prompts: list[list[int]], params, timer: RunnerTimer) -> dict:
+    device = engine.cfg.device
+    sync(device)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    waiting_first, produced = set(ids), dict.fromkeys(ids, 0)
+    ttft, itl, decode_steps, decode_tokens, prefill_steps = None, [], [], 0, 0
+    t_prev = t0
+    while engine.has_unfinished():
+        n_shapes = len(timer.shapes)
+        outs = engine.step()
+        sync(device)
+        t = time.perf_counter()
+        shape = timer.shapes[-1] if len(timer.shapes) > n_shapes else None
+        for o in outs:
+            produced[o.request_id] = len(o.outputs[0].token_ids)
+        if ttft is None:
+            prefill_steps += 1
+            waiting_first -= {o.request_id for o in outs if o.outputs[0].token_ids}
+            if not waiting_first:
+                ttft = t - t0
+        else:
+            itl.append(t - t_prev)
+            decode_tokens += len(outs)
+            if shape is not None:
+                decode_steps.append((shape, t - t_prev))
+        t_prev = t
+    return dict(ttft=ttft, itl=itl, e2e=t_prev - t0, decode_steps=decode_steps, decode_tokens=decode_tokens,
+                prefill_steps=prefill_steps, output_tokens=sum(produced.values()))
+
+
+def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int = 10, warmup_iters: int = 3,
+                seed: int = 0, temperature: float = 0.0, roofline: bool = False, progress: bool = True) -> dict:
+    """Time `num_iters` batches (after `warmup_iters`); returns the result dict that `--json` writes."""
+    from tqdm.auto import tqdm
+
+    from ridge import SamplingParams
+
+    engine = llm.engine
+    cfg = engine.cfg
+    check_latency_args(batch, input_len, output_len, num_iters, warmup_iters, cfg.max_model_len, cfg.max_num_seqs)
+    pages = batch * engine.block_manager.pages_for(input_len + output_len)
+    if pages > cfg.num_blocks:
+        raise ValueError(f"batch-size: {batch} requests of {input_len + output_len} tokens need {pages} KV pages, "
+                         f"but the cache holds {cfg.num_blocks} (raise --kv-cache-memory or lower --batch-size)")
+    if engine.has_unfinished():
+        raise ValueError("engine: the latency benchmark needs an idle engine")
+    prompts = RandomPrompts(engine.model_cfg.vocab_size, special_token_ids(engine.model_cfg, engine.tokenizer), seed)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
+    preempt0 = engine.stats().num_preemptions
+    iters = []
+    with RunnerTimer(engine, record_shapes=True) as timer, \
+            tqdm(total=warmup_iters + num_iters, desc="latency", unit="iter", disable=not progress) as bar:
+        for i in range(warmup_iters + num_iters):
+            r = _one_batch(engine, [prompts.draw(input_len) for _ in range(batch)], params, timer)
+            timer.shapes.clear()
+            if i >= warmup_iters:
+                iters.append(r)
+            bar.update(1)
+    timer.check_engaged(sum(r["prefill_steps"] for r in iters))
+    itl = [x for r in iters for x in r["itl"]]
+    e2e = summarize([r["e2e"] for r in iters])
+    decode_time = sum(itl)
+    decode_tokens = sum(r["decode_tokens"] for r in iters)
+    result = dict(
+        benchmark="latency",
+        env=environment(engine),
+        config=dict(batch_size=batch, input_len=input_len, output_len=output_len, num_iters=num_iters,
+                    warmup_iters=warmup_iters, temperature=temperature, seed=seed, ignore_eos=True),
+        ttft_s=summarize([r["ttft"] for r in iters]),
+        itl_s=summarize(itl),
+        e2e_s=e2e,
+        output_tokens_per_iter=[r["output_tokens"] for r in iters],
+        output_tokens_per_s=statistics.median(r["output_tokens"] for r in iters) / e2e["median"],
+        decode_tokens_per_s=decode_tokens / decode_time if decode_time > 0 else None,
+        prefill_steps_per_iter=[r["prefill_steps"] for r in iters],
+        decode_steps_per_iter=[len(r["itl"]) for r in iters],
+        preemptions=engine.stats().num_preemptions - preempt0,
+    )
+    result.update(decode_utilization(engine, [s for r in iters for s in r["decode_steps"]], roofline))
+    graphs = engine.runner.decode_graphs
+    # the decode step's GPU time alone (one graph replay): ITL minus this is host overhead
+    result["decode_graph_gpu_s"] = graphs.replay_seconds(batch) if graphs is not None else None
+    return result
+
+
+def decode_utilization(engine, steps, with_flops: bool) -> dict:
+    """MBU (and MFU with `with_flops`) of the decode steps taken together, from ridge.roofline:
+    `step_utilization` gives each step's (MFU, MBU) from the cost model's FLOPs and minimum bytes
+    (weights + KV + activations) over the measured ceilings; weighting each by its time gives
+    the decode steps' total bytes (FLOPs) over their total time."""
+    from ridge.roofline import Precision, StepShape, load_ceilings, step_costs, step_utilization
+    from ridge.roofline.ceilings import cache_path
+
+    if not steps:
+        return dict(mbu=None, mfu=None, roofline=None)
+    precision = Precision.from_dtype(engine.cfg.dtype)
+    ceilings = load_ceilings(engine.cfg.device)
+    mfu_t = mbu_t = seconds = weight_bytes = kv_bytes = 0.0
+    for rec, t in steps:
+        shape = StepShape(rec.query_lens, rec.context_lens, precision, num_sampled=rec.num_sampled, greedy=rec.greedy)
+        mfu, mbu = step_utilization(engine.model_cfg, ceilings, shape, t)
+        mfu_t, mbu_t, seconds = mfu_t + mfu * t, mbu_t + mbu * t, seconds + t
+        costs = step_costs(engine.model_cfg, shape)
+        weight_bytes += sum(c.weight_bytes for c in costs)
+        kv_bytes += sum(c.kv_bytes for c in costs)
+    n = len(steps)
+    return dict(
+        mbu=mbu_t / seconds,
+        mfu=mfu_t / seconds if with_flops else None,
+        roofline=dict(precision=precision.name, bandwidth=ceilings.bandwidth, matmul_roof=ceilings.roof(precision.compute),
+                      matmul_peak=ceilings.peak(precision.compute), ceilings_cache=cache_path(engine.cfg.device),
+                      decode_steps=n, decode_time_s=seconds, weight_bytes_per_step=weight_bytes / n,
+                      kv_bytes_per_step=kv_bytes / n),
+    )
+
+
+def measure_ceilings_first(device: str) -> None:
+    """Measure (or read the cached) ceilings before the engine takes most of the free memory for
+    its KV pool: the copy and matmul measurements need a few GiB of their own."""
+    import torch
+
+    from ridge.roofline import load_ceilings
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    load_ceilings(device)
+
+
+def print_latency(r: dict) -> None:
+    c, env = r["config"], r["env"]
+    ms = dict(spec=".2f", scale=1e3)
+    rows = [
+        ["TTFT (ms), median", fmt(r["ttft_s"]["median"], **ms)],
+        ["ITL (ms), mean", fmt(r["itl_s"] and r["itl_s"]["mean"], **ms)],
+        ["ITL (ms), median", fmt(r["itl_s"] and r["itl_s"]["median"], **ms)],
+        ["ITL (ms), p99", fmt(r["itl_s"] and r["itl_s"]["p99"], **ms)],
+        ["end-to-end (ms), median", fmt(r["e2e_s"]["median"], **ms)],
+        ["output tokens/s (end to end)", fmt(r["output_tokens_per_s"], ".1f")],
+        ["decode tokens/s", fmt(r["decode_tokens_per_s"], ".1f")],
+        ["MBU (decode)", fmt(r.get("mbu"), ".1%")],
+        ["decode step GPU time (ms, graph replay)", fmt(r.get("decode_graph_gpu_s"), **ms)],
+    ]
+    if r.get("mfu") is not None or c.get("roofline"):
+        rows.append(["MFU (decode)", fmt(r.get("mfu"), ".2%")])
+    if r["preemptions"]:
+        rows.append(["preemptions", str(r["preemptions"])])
+    title = (f"\nridge bench latency: batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
+             f"{c['num_iters']} iterations -- {env['device']}, {env['dtype']}, backend {env['attention_backend']}")
+    print(format_table(["metric", "value"], rows, title))
+
+
+def cmd_latency(a: argparse.Namespace) -> int:
+    from ridge import LLM
+    from ridge.cli import engine_kwargs
+
+    max_len, _ = resolve_max_model_len(a.model, a.max_model_len)
+    check_latency_args(a.batch_size, a.input_len, a.output_len, a.num_iters, a.warmup_iters, max_len, a.max_num_seqs)
+    measure_ceilings_first(a.device)
+    llm = LLM(show_progress=not a.no_progress, **engine_kwargs(a))
+    r = run_latency(llm, a.batch_size, a.input_len, a.output_len, a.num_iters, a.warmup_iters, seed=a.seed,
+                    temperature=a.temperature, roofline=a.roofline, progress=not a.no_progress)
+    r["config"]["roofline"] = a.roofline
+    if a.json:
+        write_json(a.json, r)
+    print_latency(r)
+    return 0
