@@ -96,3 +96,12 @@ def test_backend_choice():
         select_backend(torch.device("cuda"), "triton", head_dim=96)
     with pytest.raises(ValueError, match="^attention_backend:"):
         select_backend(torch.device("cpu"), "flash")
+
+
+def test_seed_and_top_k_beyond_int64_are_rejected_and_engine_stays_clean(tiny_llm):
+    from ridge import SamplingParams
+    for bad in (dict(seed=2**64), dict(top_k=2**63)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished()
+    assert tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

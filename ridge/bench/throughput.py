@@ -108,7 +108,7 @@ def _drain(engine, ids: list[str], bar=None) -> tuple[dict, int, float]:
     pending, done, steps, step_s = set(ids), {}, 0, 0.0
     while engine.has_unfinished():
         t = time.perf_counter()
-        outs = engine.step()
+        outs = engine.step(finished_only=True)
         step_s += time.perf_counter() - t
         steps += 1
         for o in outs:

@@ -121,7 +121,10 @@ class Engine:
                            self.prompt_tokens_computed, self.generation_tokens)
 
     # -- the step loop ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One step; returns an output for every request that got a token (cumulative text and
+        ids, for streaming), or with finished_only only for requests that finished: building
+        outputs copies each request's lists, which offline callers need not pay every step."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_work() and not self.scheduler.running:
@@ -143,7 +146,7 @@ class Engine:
         self._advance(sched)
         seqs, rows = self._fork_samples(sampling)
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
-        return self._update(seqs, tokens.tolist(), info)
+        return self._update(seqs, tokens.tolist(), info, finished_only)
 
     def _advance(self, sched: SchedulerOutput) -> None:
         """The step's tokens are now in the cache: count them, and offer newly full pages."""
@@ -167,7 +170,7 @@ class Engine:
                         rows.append(row)
         return seqs, rows
 
-    def _update(self, seqs: list[Sequence], tokens: list[int], info) -> list[RequestOutput]:
+    def _update(self, seqs: list[Sequence], tokens: list[int], info, finished_only: bool) -> list[RequestOutput]:
         touched = {}
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
@@ -185,7 +188,7 @@ class Engine:
             if req.is_finished:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
-        return [RequestOutput.of(r) for r in touched.values()]
+        return [RequestOutput.of(r) for r in touched.values() if not finished_only or r.is_finished]
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         params = seq.request.params

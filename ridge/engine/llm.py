@@ -137,7 +137,7 @@ class LLM:
         pending, done = set(ids), {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out

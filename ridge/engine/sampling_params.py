@@ -51,7 +51,7 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**63:
             bad("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
@@ -61,8 +61,8 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         for s in self._stop:
             if not isinstance(s, str):
                 bad("stop", f"stop strings must be strings, got {type(s).__name__}")

@@ -60,6 +60,7 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self.host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = self.host32[2 * B + 1:].view(B, P).numpy()
         self.dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slots = self.dev64.view(3, B)
@@ -131,9 +132,9 @@ class DecodeGraphs:
         h32[n + 1:bs + 1] = n
         h32[B + 1:B + 1 + n] = torch.tensor(step.seq_lens, dtype=torch.int32)
         h32[B + 1 + n:B + 1 + bs] = 1
-        tables = h32[2 * B + 1:].view(B, P)
+        tables = self.host_tables          # numpy view of the pinned buffer: cheap row writes
         for i, t in enumerate(step.block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            tables[i, :len(t)] = t
         # The previous step's copies finished before its tokens were read back, so the pinned
         # staging buffers are free to reuse.
         self.dev64.copy_(h64, non_blocking=True)

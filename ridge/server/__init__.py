@@ -1,0 +1,15 @@
+"""ridge's OpenAI-compatible HTTP server (`ridge serve`).
+
+    protocol.py       pydantic models of the OpenAI requests and responses
+    errors.py         the OpenAI error shape, and the mapping of every failure onto a 4xx/5xx
+    config.py         ServerConfig: the server's own caps and settings
+    engine_client.py  the engine thread (sole owner of the engine) and its asyncio front end
+    openai_serving.py /v1/completions and /v1/chat/completions: params, streaming, usage
+    metrics.py        Prometheus metrics
+    middleware.py     API-key check and the request-body size limit
+    app.py            the FastAPI app: routes, error handlers, lifespan
+    cli.py            `ridge serve`
+    text_stream.py    stop-string-safe incremental text (shared with `ridge generate`)
+
+Importing this package pulls in nothing heavy: `ridge generate` uses text_stream without FastAPI.
+"""

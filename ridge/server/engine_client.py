@@ -1,0 +1,289 @@
+"""The engine thread and its asyncio front end.
+
+The engine is not thread safe, so one thread owns it (the tokenizer and the chat template
+included) and runs the step loop. HTTP handlers never touch it: they put commands (add, abort)
+on a thread-safe queue and get results back through `loop.call_soon_threadsafe`, one call per
+engine step carrying every output of that step. Requests join the running batch at the next
+step boundary (continuous batching across HTTP requests). With nothing to run, the thread
+blocks on the queue, so an idle server burns no CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ridge.engine.engine import EngineStats
+from ridge.engine.request import RequestOutput
+from ridge.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("ridge.server")
+
+LOADING, READY, DEAD, STOPPED = "loading", "ready", "dead", "stopped"
+
+
+class EngineUnavailable(Exception):
+    """The engine is loading, has died or is shutting down (503)."""
+
+
+class EngineFailure(Exception):
+    """A step failed while this request was in the batch (500); the engine serves on."""
+
+
+@dataclass
+class ChatPrompt:
+    """Messages to render with the checkpoint's chat template, in the engine thread."""
+    messages: list[dict]
+
+
+@dataclass
+class EngineItem:
+    """What the engine thread hands one request after a step: its cumulative output, or the
+    error that ended it. `time` is when the step's results were handed out (monotonic)."""
+    request_id: str
+    output: RequestOutput | None
+    time: float
+    error: str | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int] | ChatPrompt
+    params: SamplingParams
+    sink: asyncio.Queue
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class EngineClient:
+    """Start with `start()` from the event loop. `add` queues a request (raising ValueError for
+    a bad one, EngineUnavailable when not ready); its outputs arrive as EngineItems on `sink`."""
+    factory: Callable[[], object]                  # builds the LLM, in the engine thread
+    state: str = LOADING
+    error: str | None = None
+    stats: EngineStats | None = None
+    model: ModelInfo | None = None
+    _commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _sinks: dict = field(default_factory=dict)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _llm: object = None
+    _closing: bool = False
+    on_load_failure: Callable[[], None] | None = None   # called in the engine thread
+
+    # -- front end (event-loop thread) ---------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="ridge-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Call from the event loop: closing first means no add can queue behind the stop
+        command (an add checks and queues with no await in between)."""
+        self._closing = True
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY and not self._closing
+
+    def check_ready(self) -> None:
+        if self._closing:
+            raise EngineUnavailable("the server is shutting down")
+        if self.state == LOADING:
+            raise EngineUnavailable("the engine is still loading the model")
+        if self.state != READY:
+            raise EngineUnavailable(self.error or f"the engine is not running ({self.state})")
+
+    async def add(self, request_id: str, prompt, params: SamplingParams, sink: asyncio.Queue) -> None:
+        self.check_ready()
+        accepted = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, sink, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)      # queued after the add, so it finds the request
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._llm = self.factory()
+            cfg = self._llm.engine.cfg
+            self.model = ModelInfo(cfg.model, cfg.max_model_len, self._llm.engine.model_cfg.vocab_size)
+            self.stats = self._llm.engine.stats()
+        except BaseException as e:      # noqa: BLE001 - any load failure leaves a dead engine
+            log.exception("engine failed to load")
+            self._die(f"the engine failed to load: {type(e).__name__}")
+            if self.on_load_failure is not None:
+                self.on_load_failure()
+        else:
+            self.state = READY
+            log.info("engine ready: %s", self.model.path)
+            self._serve()
+        self._refuse_until_stopped()
+
+    def _serve(self) -> None:
+        engine = self._llm.engine
+        while self.state == READY:
+            for cmd in self._take_commands(block=not engine.has_unfinished()):
+                if cmd is _STOP:
+                    self._fail_all(STOPPED, "the server is shutting down")
+                    return
+                if self.state == READY:
+                    self._handle(cmd)
+                elif isinstance(cmd, _Add):
+                    self._resolve(cmd.accepted, EngineUnavailable(self.error))
+            if self.state == READY and engine.has_unfinished():
+                self._step()
+            self.stats = engine.stats()
+
+    def _refuse_until_stopped(self) -> None:
+        """A dead engine keeps answering: adds raced past the front end's state check get
+        EngineUnavailable (503) instead of waiting forever."""
+        while self.state != STOPPED:
+            cmd = self._commands.get()
+            if cmd is _STOP:
+                self.state = STOPPED
+            elif isinstance(cmd, _Add):
+                self._resolve(cmd.accepted, EngineUnavailable(self.error or "the engine is not running"))
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmd) -> None:
+        engine = self._llm.engine
+        if isinstance(cmd, _Abort):
+            if self._sinks.pop(cmd.request_id, None) is not None:
+                engine.abort(cmd.request_id)
+            return
+        try:
+            prompt = self._chat_ids(cmd.prompt.messages) if isinstance(cmd.prompt, ChatPrompt) else cmd.prompt
+            engine.add_request(prompt, cmd.params, cmd.request_id)
+        except ValueError as e:
+            self._resolve(cmd.accepted, e)
+            return
+        except Exception as e:          # noqa: BLE001 - e.g. a tokenizer error: this request fails, not the server
+            log.exception("could not add request %s", cmd.request_id)
+            self._resolve(cmd.accepted, EngineFailure(f"the request could not be queued ({type(e).__name__})"))
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+        self._resolve(cmd.accepted, None)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        tok = self._llm.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use /v1/completions")
+        try:
+            return self._llm.chat_prompt_ids(messages)
+        except ValueError:
+            raise
+        except Exception as e:          # noqa: BLE001 - jinja raising on the conversation's shape
+            raise ValueError(f"messages: the chat template rejected the conversation ({type(e).__name__}: {e})") from None
+
+    def _step(self) -> None:
+        engine = self._llm.engine
+        try:
+            outs = engine.step()
+        except Exception as e:          # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed")
+            self._recover(f"the engine failed while running this request ({type(e).__name__})")
+            return
+        now = time.monotonic()
+        batch = []
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            batch.append((sink, EngineItem(out.request_id, out, now)))
+        self._deliver(batch)
+
+    def _recover(self, message: str) -> None:
+        """After a failed step every sequence of the batch is in an unknown state: fail every
+        request in flight, which returns all their pages. If the pool then is not entirely
+        free, the engine's bookkeeping is broken and it is declared dead (503 from then on)."""
+        engine = self._llm.engine
+        now = time.monotonic()
+        batch = []
+        try:
+            for rid, sink in list(self._sinks.items()):
+                engine.abort(rid)
+                batch.append((sink, EngineItem(rid, None, now, error=message)))
+            self._sinks.clear()
+            st = engine.stats()
+            healthy = not engine.has_unfinished() and st.num_free_blocks == st.num_blocks
+        except Exception:               # noqa: BLE001
+            log.exception("engine recovery failed")
+            healthy = False
+        self._deliver(batch)
+        if not healthy:
+            self._die("the engine failed and could not recover")
+
+    def _die(self, message: str) -> None:
+        self._fail_all(DEAD, message)
+
+    def _fail_all(self, state: str, message: str) -> None:
+        self.state, self.error = state, message
+        now = time.monotonic()
+        batch = [(sink, EngineItem(rid, None, now, error=message)) for rid, sink in self._sinks.items()]
+        self._sinks.clear()
+        self._deliver(batch)
+
+    def _deliver(self, batch: list) -> None:
+        if batch:
+            self._call_soon(_put_all, batch)
+
+    def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
+        self._call_soon(_settle, fut, exc)
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:            # the loop has closed: nobody is waiting any more
+            pass
+
+
+def _put_all(batch) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)
+
+
+def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():                      # the handler gave up waiting (client gone)
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
