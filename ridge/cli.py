@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -26,11 +28,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=kv, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
-                seed=a.seed)
+                seed=a.seed, enforce_eager=a.enforce_eager)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from ridge import LLM, SamplingParams
+    from ridge.server.text_stream import TextDelta
 
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                             max_tokens=a.max_tokens, seed=a.sample_seed, stop=a.stop or None,
@@ -39,17 +42,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     engine = llm.engine
     engine.add_request(a.prompt, params)
     # Hold back as many characters as a stop string could still need, so none leaks out.
-    hold = max(map(len, params.stop_strings), default=1) - 1
+    shown = TextDelta(params.stop_strings)
     if a.echo:
         sys.stdout.write(a.prompt)
-    shown = 0
     while engine.has_unfinished():
         for out in engine.step():
-            text = out.outputs[0].text
-            upto = len(text) if out.finished else max(shown, len(text) - hold)
-            sys.stdout.write(text[shown:upto])
+            sys.stdout.write(shown.delta(out.outputs[0].text, out.finished))
             sys.stdout.flush()
-            shown = upto
     sys.stdout.write("\n")
     return 0
 
@@ -98,9 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="write the result as JSON here")
     e.set_defaults(func=cmd_eval_ppl)
 
+    from ridge.roofline.cli import add_roofline_parser
+    add_roofline_parser(sub)
+
+    from ridge.server.cli import add_serve_parser
+    add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    del bench_sub  # each benchmark module registers its own subcommand here
+    from ridge.bench.latency import add_latency_parser
+    from ridge.bench.throughput import add_throughput_parser
+    add_latency_parser(bench_sub)
+    add_throughput_parser(bench_sub)
+    from ridge.bench.serve import add_serve_bench_parser
+    add_serve_bench_parser(bench_sub)
     return ap
 
 

@@ -1,0 +1,145 @@
+"""`run_roofline`: measure the ceilings, run real engine steps, diagnose them, predict, report."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from ridge.config import ModelConfig
+from ridge.roofline.ceilings import load_ceilings
+from ridge.roofline.cost_model import PRECISIONS, Precision, parameter_bytes, step_costs
+from ridge.roofline.diagnose import diagnose_step
+from ridge.roofline.measure import build_decode, build_prefill, fill_kv_pool, release, time_engine_step
+from ridge.roofline.predict import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_PRECISIONS, default_kv_budget,
+                                    predict as predict_grid)
+from ridge.roofline.report import Report, write_report
+
+DEFAULT_LENGTH = 1024     # default decode context and prefill length, capped by the model's context
+
+
+def build_llm(model: str | None, batches, context: int, prefill_len: int, prefill_batch: int, **engine_kwargs):
+    """An LLM sized for the roofline steps: seats, token budget, context and a KV pool just large
+    enough for the largest step (steps run one after another). Prefix caching is off so that a
+    prefill computes every token it is given."""
+    from ridge import LLM
+    from ridge.engine.llm import _resolve_device, _resolve_dtype, default_model_path
+
+    path = model if model is not None else default_model_path()
+    if not os.path.isdir(path):
+        raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
+    cfg = ModelConfig.from_dir(path)
+    need_len = max(context if batches else 2, prefill_len + 1 if prefill_len else 2)
+    if need_len > cfg.max_position_embeddings:
+        raise ValueError(f"context/prefill_len: {need_len} tokens exceed the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    kw = dict(engine_kwargs)
+    device = _resolve_device(kw.pop("device", "auto") or "auto")
+    dtype = _resolve_dtype(kw.pop("dtype", "auto") or "auto", cfg, device)
+    bs = kw.pop("block_size", None) or 16
+    max_b = max(batches, default=0)
+    pages = max(max_b * -(-context // bs) if batches else 0, prefill_batch * -(-prefill_len // bs),
+                -(-(need_len + 1) // bs)) + 1
+    block_bytes = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv = kw.pop("kv_cache_memory", None) or pages * block_bytes
+    kw.pop("enable_prefix_caching", None)
+    kw.pop("model", None)
+    max_len = max(kw.pop("max_model_len", None) or 0, need_len)
+    seqs = max(kw.pop("max_num_seqs", None) or 1, max_b, prefill_batch)
+    tokens = max(kw.pop("max_num_batched_tokens", None) or 1, max_b * context, prefill_batch * prefill_len)
+    return LLM(path, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=max_len,
+               max_num_seqs=seqs, max_num_batched_tokens=tokens, kv_cache_memory=kv, block_size=bs,
+               enable_prefix_caching=False, show_progress=False, **kw)
+
+
+def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+                 batches=(1,), context: int | None = None, prefill_len: int | None = None, prefill_batch: int = 1,
+                 reps: int = 5, warmup: int = 2, sampling: str = "greedy", predict: bool = False,
+                 predict_batches=DEFAULT_BATCHES, predict_contexts=None, precisions=DEFAULT_PRECISIONS,
+                 kv_budget: float | None = None, remeasure: bool = False, out: str | None = None, llm=None,
+                 engine_kwargs: dict | None = None, command: str | None = None) -> Report:
+    """Measure this device's ceilings (cached), time a real prefill step (`prefill_batch` prompts of
+    `prefill_len` tokens; 0 skips it) and a decode step per batch size in `batches` (each sequence
+    with `context` tokens of context; both lengths default to DEFAULT_LENGTH or the model's
+    context), diagnose each op, optionally predict a grid of shapes and
+    precisions, and write report.md/.json and roofline.png/.svg to `out`."""
+    if context is None or prefill_len is None:
+        if llm is not None:
+            max_pos = min(llm.engine.model_cfg.max_position_embeddings, llm.engine.cfg.max_model_len)
+        else:
+            from ridge.engine.llm import default_model_path
+            path = model if model is not None else default_model_path()
+            max_pos = ModelConfig.from_dir(path).max_position_embeddings
+        context = min(DEFAULT_LENGTH, max_pos) if context is None else context
+        prefill_len = min(DEFAULT_LENGTH, max_pos - 1) if prefill_len is None else prefill_len
+    if sampling not in ("greedy", "random"):
+        raise ValueError(f"sampling: expected greedy or random, got {sampling!r}")
+    batches = list(batches or [])
+    for name, v in (("reps", reps), ("prefill_batch", prefill_batch), *(("batch", b) for b in batches)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+    if not isinstance(prefill_len, int) or prefill_len < 0:
+        raise ValueError(f"prefill_len: must be >= 0, got {prefill_len!r}")
+    if batches and (not isinstance(context, int) or context < 2):
+        raise ValueError(f"context: must be >= 2, got {context!r}")
+    if predict:
+        bad = [p for p in precisions if p not in PRECISIONS]
+        if bad:
+            raise ValueError(f"precisions: unknown {bad[0]!r}; expected one of {', '.join(PRECISIONS)}")
+        for name, values in (("predict_batches", predict_batches), ("predict_contexts", predict_contexts or [2])):
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}: must be positive integers, got {values!r}")
+    if llm is None:
+        # The ceilings first: their copy and matmul buffers (a few GiB on a GPU) must fit before the
+        # engine takes its weights and KV pool.
+        from ridge.engine.llm import _resolve_device
+        ceilings = load_ceilings(_resolve_device(device), remeasure=remeasure)
+        llm = build_llm(model, batches, context, prefill_len, prefill_batch,
+                        **dict(engine_kwargs or {}, device=device, dtype=dtype))
+    else:
+        ceilings = load_ceilings(llm.engine.cfg.device, remeasure=remeasure)
+    engine = llm.engine
+    cfg, ecfg = engine.model_cfg, engine.cfg
+    precision = Precision.from_dtype(ecfg.dtype)
+    steps = []
+    plans = [("prefill", prefill_batch, prefill_len)] if prefill_len else []
+    plans += [("decode", b, context) for b in batches]
+    filled = False
+    for kind, batch, length in plans:
+        if kind == "prefill":
+            built = build_prefill(engine, batch, length, precision, sampling)
+        else:
+            if not filled:
+                fill_kv_pool(engine.runner)
+                filled = True
+            built = build_decode(engine, batch, length, precision, sampling)
+        try:
+            timing = time_engine_step(engine, built, reps=reps, warmup=warmup)
+        finally:
+            release(engine, built)
+        steps.append(diagnose_step(kind, built.shape, step_costs(cfg, built.shape), timing, ceilings,
+                                   built.batch, built.context, built.query_len))
+    predictions, budget = None, None
+    if predict:
+        contexts = [c for c in (predict_contexts or DEFAULT_CONTEXTS) if c <= cfg.max_position_embeddings]
+        contexts = contexts or [cfg.max_position_embeddings]
+        predictions = predict_grid(cfg, ceilings, predict_batches, contexts, precisions, kv_budget,
+                                   ecfg.block_size, greedy=sampling == "greedy")
+        budget = kv_budget if kv_budget is not None else default_kv_budget(cfg, ceilings, precision)
+    info = dict(architecture=cfg.architecture, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                parameters=sum(p.numel() for p in engine.runner.model.parameters()),
+                parameter_bytes=parameter_bytes(cfg, precision))
+    notes = []
+    if ecfg.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 and ecfg.dtype == torch.float32:
+        notes.append("float32 GEMMs run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)")
+    rep = Report(model=ecfg.model, model_name=os.path.basename(os.path.normpath(ecfg.model)), model_info=info,
+                 device=ceilings.name, device_type=ceilings.device, dtype=str(ecfg.dtype).removeprefix("torch."),
+                 backend=engine.runner.backend.name, compute_roof=ceilings.roof(precision.compute),
+                 ceilings=ceilings, steps=steps, predictions=predictions,
+                 kv_budget_bytes=budget, created=datetime.datetime.now().isoformat(timespec="seconds"),
+                 command=command, notes=notes)
+    if out:
+        write_report(rep, out)
+    return rep

@@ -1,0 +1,102 @@
+"""Napkin math from the measured ceilings and the cost model: what a step should take at the
+roofline, for batch sizes, context lengths and precisions the user has not run.
+
+Each op is assumed to run at its roof (max(FLOPs / peak, bytes / bandwidth)) and the ops run
+back to back with no gaps: the floor a fused, graph-captured engine approaches. The decode row
+names the term that dominates it (weights, KV cache, compute or activations), and the KV budget
+gives the largest batch whose pages fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ridge.config import ModelConfig
+from ridge.roofline.ceilings import Ceilings
+from ridge.roofline.cost_model import (PRECISIONS, OpCost, Precision, StepShape, kv_bytes_per_token,
+                                       parameter_bytes, step_costs)
+
+DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
+DEFAULT_CONTEXTS = (1024, 4096, 16384)
+DEFAULT_PRECISIONS = ("bf16", "fp8", "int4", "fp8-kv")
+# share of GPU memory a server gives to weights + KV; the rest is activations, workspace, CUDA context
+GPU_MEMORY_FRACTION = 0.9
+
+
+def op_ideal_s(cost: OpCost, ceilings: Ceilings) -> float:
+    return max(cost.flops / ceilings.peak(cost.compute), cost.bytes / ceilings.bandwidth)
+
+
+def predicted_step_s(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape) -> float:
+    """The roofline floor of one step: each op at its roof, no gaps."""
+    return sum(op_ideal_s(c, ceilings) for c in step_costs(cfg, shape))
+
+
+def step_utilization(model_cfg: ModelConfig, ceilings: Ceilings, shape: StepShape,
+                     step_time_s: float) -> tuple[float, float]:
+    """(MFU, MBU) of a step that took `step_time_s`: its FLOPs over the measured matrix peak of its
+    precision, and its minimum bytes (weights + KV + activations) over the measured bandwidth.
+    For `ridge bench`: build `shape` with `StepShape.from_scheduler_output(sched, precision)`."""
+    if step_time_s <= 0:
+        raise ValueError(f"step_time_s: must be > 0, got {step_time_s}")
+    costs = step_costs(model_cfg, shape)
+    flops = sum(c.flops for c in costs)
+    nbytes = sum(c.bytes for c in costs)
+    return flops / step_time_s / ceilings.peak(shape.precision.compute), nbytes / step_time_s / ceilings.bandwidth
+
+
+def decode_bound(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape) -> str:
+    costs = step_costs(cfg, shape)
+    bw = ceilings.bandwidth
+    terms = {
+        "compute": sum(c.flops / ceilings.peak(c.compute) for c in costs),
+        "weights": sum(c.weight_bytes for c in costs) / bw,
+        "KV cache": sum(c.kv_bytes for c in costs) / bw,
+        "activations": sum(c.bytes - c.weight_bytes - c.kv_bytes for c in costs) / bw,
+    }
+    return max(terms, key=terms.get)
+
+
+def default_kv_budget(cfg: ModelConfig, ceilings: Ceilings, precision: Precision) -> float:
+    """Bytes left for the KV cache: on a GPU, GPU_MEMORY_FRACTION of its memory minus the weights;
+    on a CPU, the engine's default CPU pool."""
+    if ceilings.device == "cuda" and ceilings.details.get("memory_bytes"):
+        return max(0.0, GPU_MEMORY_FRACTION * ceilings.details["memory_bytes"] - parameter_bytes(cfg, precision))
+    from ridge.engine.llm import DEFAULT_CPU_KV_BYTES
+    return float(DEFAULT_CPU_KV_BYTES)
+
+
+@dataclass
+class PredictionRow:
+    precision: str
+    batch: int
+    context: int
+    prefill_s: float              # prefill of `batch` prompts of `context` tokens, one step
+    prefill_tok_s: float
+    decode_s: float               # one decode step of `batch` sequences at `context`
+    decode_tok_s: float
+    decode_bound: str             # the term that dominates the decode step
+    kv_bytes_per_seq: float
+    max_batch: int                # sequences of `context` tokens that fit the KV budget
+    fits: bool
+
+
+def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS,
+            precisions=DEFAULT_PRECISIONS, kv_budget: float | None = None, block_size: int = 16,
+            greedy: bool = True) -> list[PredictionRow]:
+    rows = []
+    for pname in precisions:
+        if pname not in PRECISIONS:
+            raise ValueError(f"precisions: unknown {pname!r}; expected one of {', '.join(PRECISIONS)}")
+        p = PRECISIONS[pname]
+        budget = default_kv_budget(cfg, ceilings, p) if kv_budget is None else kv_budget
+        for ctx in contexts:
+            pages = -(-ctx // block_size)
+            per_seq = pages * block_size * kv_bytes_per_token(cfg, p)
+            max_batch = int(budget // per_seq)
+            for b in batches:
+                pre = predicted_step_s(cfg, ceilings, StepShape.prefill(b, ctx, p, greedy))
+                dshape = StepShape.decode(b, ctx, p, greedy)
+                dec = predicted_step_s(cfg, ceilings, dshape)
+                rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec,
+                                          decode_bound(cfg, ceilings, dshape), per_seq, max_batch, b <= max_batch))
+    return rows
