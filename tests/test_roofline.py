@@ -313,7 +313,7 @@ def test_gpu_tiny_kernel_step_is_launch_bound(gpu_ceilings):
         for _ in range(500):
             x.add_(1)
     t = _measure({"tiny": tiny}, device="cuda", reps=5)
-    assert t.kernels["tiny"] == 500
+    assert abs(t.kernels["tiny"] - 500) <= 1   # a stray kernel of the harness may land in one rep
     s = diagnose_step("decode", StepShape.decode(1, 2), [OpCost("tiny", 500, 500 * 8, 0, 0, 500, "fp32")], t,
                       gpu_ceilings, 1, 2, 1)
     assert s.rows[0].label == "launch-bound" and s.label == "launch-bound"

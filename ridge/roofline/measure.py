@@ -38,6 +38,15 @@ from ridge.roofline.cost_model import StepShape
 OP_PREFIX = "ridge.op/"
 REP_PREFIX = "ridge.rep/"
 HOST = "host"          # host-side batch preparation (lists -> device tensors): not a roofline op
+# Triton launches its kernels through the driver API (cuLaunchKernelEx), which the profiler does
+# not correlate with the Python range that launched them: such kernels arrive as device events
+# with no CPU parent. Each of ridge's Triton kernels serves exactly one op, so the kernel's name
+# says which (the norm kernel also serves Qwen3's q/k norm, which runs inside qkv's op range).
+TRITON_KERNEL_OPS = {
+    "_rms_norm_kernel": "norm", "_rotary_kernel": "rotary", "_write_kv_kernel": "kv_write",
+    "_silu_and_mul_kernel": "activation", "_prefill_kernel": "attention",
+    "_decode_split_kernel": "attention", "_merge_kernel": "attention",
+}
 
 # leaf module name -> op; "mlp" times what its forward does besides its two GEMMs: SiLU-and-mul
 MODULE_OPS = {
@@ -197,11 +206,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _attribute(events, device_times: bool):
+def _attribute(events, device_times: bool, prof=None):
     """Per (rep, label): summed kernel durations (s) and kernel counts when `device_times`, else
     counts of top-level torch calls. Each kernel/call goes to the innermost op range around it."""
     times: dict[tuple[int, str], float] = defaultdict(float)
     counts: dict[tuple[int, str], int] = defaultdict(int)
+    if device_times and prof is not None:
+        _attribute_uncorrelated(prof, times, counts)
     for evt in events:
         if device_times:
             # GPU-side copies of our own ranges (kineto's gpu_user_annotation) are not kernels
@@ -230,6 +241,37 @@ def _attribute(events, device_times: bool):
         else:
             counts[rep, label] += 1
     return times, counts
+
+
+def _attribute_uncorrelated(prof, times, counts) -> None:
+    """Kernels the profiler could not tie to a CPU range (see TRITON_KERNEL_OPS) are dropped
+    from prof.events(), but kineto's raw records keep them: assign each to its op by name, and to
+    the rep that was running on the host when it started (each rep ends with a device sync)."""
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is None:
+        return
+    events = list(raw.events())
+
+    def start_ns(e):
+        return e.start_ns() if hasattr(e, "start_ns") else e.start_us() * 1000
+
+    def duration_ns(e):
+        return e.duration_ns() if hasattr(e, "duration_ns") else e.duration_us() * 1000
+
+    reps = sorted((start_ns(e), int(e.name()[len(REP_PREFIX):])) for e in events
+                  if e.name().startswith(REP_PREFIX) and str(e.device_type()).endswith("CPU"))
+    for e in events:
+        if str(e.device_type()).endswith("CPU"):
+            continue
+        label = next((op for name, op in TRITON_KERNEL_OPS.items() if e.name().startswith(name)), None)
+        if label is None:
+            continue
+        t = start_ns(e)
+        rep = next((r for lo, r in reversed(reps) if lo <= t), None)
+        if rep is None:
+            continue
+        times[rep, label] += duration_ns(e) / 1e9
+        counts[rep, label] += 1
 
 
 def time_step(step_fn: Callable[[Timeline], None], device: torch.device | str, reps: int = 5, warmup: int = 2,
@@ -270,7 +312,7 @@ def time_step(step_fn: Callable[[Timeline], None], device: torch.device | str, r
                     with record_function(f"{REP_PREFIX}{r}"):
                         step_fn(tl)
                     _sync(device)
-        times, counts = _attribute(prof.events(), device_times=True)
+        times, counts = _attribute(prof.events(), device_times=True, prof=prof)
         labels = {label for _, label in times} | set(tl.calls)
         for label in labels:
             series = [times.get((r, label), 0.0) for r in range(reps)]
