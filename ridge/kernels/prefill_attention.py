@@ -130,6 +130,16 @@ def _gather_pages(K, V, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb
     return tl.load(k_ptrs), tl.load(v_ptrs)
 
 
+@triton.jit
+def _head_rows(base, first_row, head_offset, stride_t, num_rows, BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """One head's rows [first_row, first_row + num_rows) of a [T, heads, HEAD_DIM] tensor as a
+    [num_rows, HEAD_DIM] descriptor loading BLOCK rows at a time."""
+    return tl.make_tensor_descriptor(base + first_row.to(tl.int64) * stride_t + head_offset,
+                                     shape=[num_rows, HEAD_DIM], strides=[stride_t, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])
+
+
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
@@ -156,18 +166,10 @@ def _prefill_kernel(Q, K_new, V_new, K, V, Out, block_tables, query_start_loc, s
 
     # This sequence's rows of Q / O / new K / new V as [q_len, HEAD_DIM] descriptors: tiles past
     # q_len load as zeros and are dropped on store.
-    q_desc = tl.make_tensor_descriptor(Q + q_start.to(tl.int64) * stride_qt + head * stride_qh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(Out + q_start.to(tl.int64) * stride_ot + head * stride_oh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_ot, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K_new + q_start.to(tl.int64) * stride_nkt + kv_head * stride_nkh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_nkt, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V_new + q_start.to(tl.int64) * stride_nvt + kv_head * stride_nvh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_nvt, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
+    q_desc = _head_rows(Q, q_start, head * stride_qh, stride_qt, q_len, BLOCK_M, HEAD_DIM)
+    o_desc = _head_rows(Out, q_start, head * stride_oh, stride_ot, q_len, BLOCK_M, HEAD_DIM)
+    k_desc = _head_rows(K_new, q_start, kv_head * stride_nkh, stride_nkt, q_len, BLOCK_N, HEAD_DIM)
+    v_desc = _head_rows(V_new, q_start, kv_head * stride_nvh, stride_nvt, q_len, BLOCK_N, HEAD_DIM)
 
     first_q = m_block * BLOCK_M                      # local row index of the tile's first query
     offs_m = first_q + tl.arange(0, BLOCK_M)
