@@ -17,20 +17,7 @@ import time
 
 import torch
 
-
-def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a large device copy (median of 10)."""
-    n = 1 << 30
-    a = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * a.numel() * a.element_size() / statistics.median(times[2:])
+from ridge.roofline.ceilings import measure_bandwidth
 
 
 def run(llm, batch: int, input_len: int, output_len: int, seed: int = 0):
@@ -72,7 +59,7 @@ def main():
     graphs = llm.engine.runner.decode_graphs
     capture_s = graphs.capture_seconds if graphs is not None and graphs.graphs else None
     print(f"decode CUDA graphs: {'off' if capture_s is None else f'captured in {capture_s:.1f} s'}")
-    bw = copy_bandwidth("cuda")
+    bw = measure_bandwidth(torch.device("cuda"))[0]   # bytes read + written per second
     m = llm.engine.model_cfg
     # every weight is read once per decode step, except the embedding table (one row per token)
     embed = llm.engine.runner.model.model.embed_tokens.weight

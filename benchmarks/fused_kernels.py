@@ -36,6 +36,7 @@ from ridge.kernels.silu_mul import silu_and_mul  # noqa: E402
 from ridge.layers.activation import silu_and_mul_ref  # noqa: E402
 from ridge.layers.norm import rms_norm_ref  # noqa: E402
 from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref  # noqa: E402
+from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 4096, 14336, 32, 8, 128, 131072
 DT = torch.bfloat16
@@ -50,10 +51,8 @@ def bench_ms(fn) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.empty(1 << 28, dtype=DT, device="cuda").normal_()   # 512 MiB, far larger than L2
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    """GB/s read + written by a large device copy: the roofline's own measurement."""
+    return measure_bandwidth(torch.device("cuda"))[0] / 1e9
 
 
 def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
