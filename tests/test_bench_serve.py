@@ -4,16 +4,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from ridge.bench.serve import RequestResult, arrival_offsets, summarize_run
+from tests_support import free_port, wait_healthy
 
 
 def test_arrival_offsets_are_poisson():
@@ -38,14 +37,8 @@ def test_goodput_counts_requests_meeting_both_slos():
     assert s["ttft_s"]["max"] == 2.0 and s["itl_s"]["n"] == 12 and s["errors"] == ["HTTP 500: boom"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command_and_bench_serve(checkpoints, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "ridge.cli"]
@@ -54,16 +47,10 @@ def test_serve_command_and_bench_serve(checkpoints, tmp_path):
                                      "--served-model-name", "tiny-llama", "--log-level", "warning"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
+        def alive():
             assert server.poll() is None, server.communicate()[1][-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "ridge serve did not become healthy"
-            time.sleep(0.2)
+
+        wait_healthy(url, "ridge serve", poll_s=0.2, alive=alive)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
                        headers={"Authorization": "Bearer sekret"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

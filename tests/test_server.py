@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 
@@ -19,17 +18,12 @@ from ridge import LLM, SamplingParams
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from ridge.server.text_stream import TextDelta
+from tests_support import free_port, wait_healthy
 
 KEY = "test-key"
 MODEL = "tiny"
 MAX_LEN = 256
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -70,20 +64,12 @@ def server(checkpoints):
     cfg = ServerConfig(model_name=MODEL, api_key=KEY, max_stop=4, max_prompts=4, max_body_bytes=64 * 1024)
     app = create_app(lambda: LLM(path, device="cpu", show_progress=False, max_model_len=MAX_LEN,
                                  kv_cache_memory=8 << 20, max_n=4), cfg)
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.1)
+    wait_healthy(url, "server")
     yield Served(url, app)
     srv.should_exit = True
     thread.join(30)

@@ -1,4 +1,8 @@
 """Helpers shared by test modules."""
+import socket
+import time
+
+import httpx
 import torch
 
 from ridge.layers.sampler import SamplingBatch
@@ -12,3 +16,24 @@ def single_row_batch(params, step: int, vocab: int, device) -> SamplingBatch:
                          top_p=t(params.top_p), min_p=t(params.min_p), seeds=t(params.seed, torch.int64),
                          steps=t(step, torch.int64), presence_penalty=t(0.0), frequency_penalty=t(0.0),
                          repetition_penalty=t(1.0), output_counts=None, seen_mask=None, banned=None, max_logprobs=-1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, what: str, timeout_s: float = 120, poll_s: float = 0.1, alive=None) -> None:
+    """Poll url/health until it answers 200; `alive()` (if given) asserts the server still runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if alive is not None:
+            alive()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not become healthy"
+        time.sleep(poll_s)
