@@ -11,6 +11,15 @@ def seq(tokens, sid=0):
     return Sequence(sid, req, 0, list(tokens), len(tokens), seed=0)
 
 
+def computed_seq(bm, tokens):
+    """A sequence whose tokens all sit in the cache, its full pages offered for prefix hits."""
+    s = seq(tokens)
+    bm.allocate(s, len(s.token_ids))
+    s.num_computed_tokens = len(s.token_ids)
+    bm.register_full_pages(s)
+    return s
+
+
 def test_allocate_free_and_refcounts():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     s = seq(range(10))
@@ -25,10 +34,7 @@ def test_allocate_free_and_refcounts():
 
 def test_prefix_hits_leave_one_token_and_survive_free():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    a = seq(range(12))
-    bm.allocate(a, 12)
-    a.num_computed_tokens = 12
-    bm.register_full_pages(a)
+    a = computed_seq(bm, range(12))
     pages = list(a.block_table)
     bm.free(a)
     b = seq(range(12), sid=1)
@@ -61,10 +67,7 @@ def test_fork_and_copy_on_write():
 
 def test_reused_page_is_evicted_from_the_cache():
     bm = BlockManager(2, 4, enable_prefix_caching=True)
-    a = seq(range(8))
-    bm.allocate(a, 8)
-    a.num_computed_tokens = 8
-    bm.register_full_pages(a)
+    a = computed_seq(bm, range(8))
     bm.free(a)
     assert len(bm.cached) == 2
     b = seq([7] * 8, sid=1)
