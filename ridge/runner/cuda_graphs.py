@@ -83,16 +83,12 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def prepare_eager(self) -> None:
-        self._fill_idle(self.max_bs)
-
-    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, all sharing one memory pool (a smaller graph's
         activations fit in the space of a larger one's). The capture inputs are harmless: one
         token per row at position 0, slot -1 (nothing written), context length 1."""
         t0 = time.perf_counter()
-        self._fill_idle(self.max_bs)
+        self.fill_idle()
         pool = None
         for bs in reversed(self.buckets):
             self._forward(bs)                      # compile / autotune outside the capture
@@ -107,7 +103,9 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs),
                  ",".join(map(str, self.buckets)), self.capture_seconds)
 
-    def _fill_idle(self, bs: int) -> None:
+    @torch.inference_mode()
+    def fill_idle(self) -> None:
+        """Harmless inputs in every row: no query beyond one per row, slot -1, context 1."""
         self.dev64.zero_()
         self.slots.fill_(-1)
         self.query_start_loc.copy_(torch.arange(self.max_bs + 1, dtype=torch.int32, device=self.device))

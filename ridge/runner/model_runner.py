@@ -32,6 +32,11 @@ class ForwardOutput:
     prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a token: row position % page of the page holding it."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.request.params
     return (p.temperature == 0 and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
@@ -71,7 +76,7 @@ class ModelRunner:
         if use_graphs and self.device.type == "cuda":
             self.decode_graphs.capture()
         else:
-            self.decode_graphs.prepare_eager()
+            self.decode_graphs.fill_idle()
 
     # -- batch preparation ----------------------------------------------------------------------
     def decode_inputs(self, sched: SchedulerOutput) -> DecodeInputs | None:
@@ -89,7 +94,7 @@ class ModelRunner:
             p = item.start
             step.input_ids.append(seq.token_ids[p])
             step.positions.append(p)
-            step.slots.append(seq.block_table[p // bs] * bs + p % bs)
+            step.slots.append(slot_of(seq.block_table, p, bs))
             step.seq_lens.append(p + 1)
             step.block_tables.append(seq.block_table)
         return step
@@ -103,7 +108,7 @@ class ModelRunner:
             pos = range(start, start + n)
             positions += pos
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in pos]
+            slots += [slot_of(table, p, bs) for p in pos]
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
             if item.samples:
