@@ -1,9 +1,6 @@
 """GPU benchmark of ridge's Triton attention kernels against torch's attention backends.
 
     python benchmarks/attention.py [--json PATH]      (default $OUT/attention.json when OUT is set)
-    python benchmarks/attention.py --only decode --splits-sweep --sweep-b1-only
-        (decode only, plus B=1 L=32k at 32/48/64/96/128 splits: merge in the split kernel vs
-         the two-kernel form, each as CUDA-graph replays)
 
 (a) copy bandwidth: a large device-to-device copy, bytes read + written per second;
 (b) causal prefill, bf16, 32 heads, hd 128, 16k tokens as B x S = 16x1k, 4x4k, 1x16k: ridge
@@ -12,8 +9,6 @@
 (c) decode, bf16, 32 q / 8 kv heads, hd 128, page 16: K+V bytes read / time, as a fraction of
     the copy bandwidth, vs SDPA (default backend) on a contiguous cache. Timed as CUDA-graph
     replays (how the engine runs decode; eager times, which include host launch cost, beside).
-    ridge merges the split-KV partials inside the split kernel (one launch); the older
-    two-kernel form (split kernel + merge kernel, `fused_merge=False`) is timed beside it.
 All timings: medians (triton.testing.do_bench / do_bench_cudagraph) on fresh random inputs.
 """
 from __future__ import annotations
@@ -36,7 +31,6 @@ from ridge.kernels.prefill_attention import _prefill_kernel, prefill_attention  
 from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 PAGE, HEAD_DIM, DT = 16, 128, torch.bfloat16
-DEFAULT_SWEEP = (32, 48, 64, 96, 128)
 
 
 def bench_ms(fn) -> float:
@@ -145,27 +139,6 @@ def bench_prefill(S: int, H: int = 32) -> dict:
     return res
 
 
-def compiled_decode_variants() -> list[str]:
-    """Registers and spills of every compiled variant of the split kernel (fused merge or not,
-    tile, stages, register cap): the fused kernel must not lose programs per SM to its merge.
-    Reads Triton's per-device kernel cache; an empty list where this Triton keeps it elsewhere."""
-    lines = []
-    try:
-        fn = _decode_split_kernel.fn
-        for cache in fn.device_caches.values():
-            for k in cache[0].values():
-                k = k.result() if hasattr(k, "result") else k
-                c = {fn.arg_names[i[0]]: v for i, v in k.src.constexprs.items()}
-                k.run  # noqa: B018  (loads the binary: n_regs/n_spills are read at load time)
-                lines.append(f"{'fused' if c.get('FUSED') else 'direct' if c.get('DIRECT') else 'two-kernel'} "
-                             f"BLOCK_N={c.get('BLOCK_N')} stages={k.metadata.num_stages} "
-                             f"maxnreg={getattr(k.metadata, 'maxnreg', None)}: "
-                             f"{k.n_regs} regs, {k.n_spills} spills")
-    except Exception as e:  # diagnostics only
-        lines.append(f"(compiled variants unavailable: {type(e).__name__}: {e})")
-    return sorted(set(lines))
-
-
 def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sweep=()) -> dict:
     D = HEAD_DIM
     k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
@@ -175,46 +148,27 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     meta = make_meta(B, 1, L, bt, slots.view(B, L)[:, -1])  # the one new token per sequence
     out = torch.empty_like(q)
     kv_bytes = 2 * B * L * KVH * D * k.element_size()
-    frac = lambda ms: kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
     res = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "kv_bytes": kv_bytes,
            "num_splits": choose_num_splits(B, KVH, L, q.device)}
+    run = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out)  # noqa: E731
+    res["ridge_eager_ms"] = bench_ms(run)
+    res["best_config"] = str(_decode_split_kernel.best_config)  # the autotuner's pick for this shape
+    res["ridge_ms"] = bench_graph_ms(run)
+    res["ridge_ms_again"] = bench_graph_ms(run)
+    # the split count is the decode kernel's main lever: time a few around the heuristic's choice
+    res["splits_sweep"] = {s: kv_bytes / (bench_graph_ms(lambda: decode_attention(
+        q, k_cache, v_cache, meta, scale, out=out, num_splits=s)) * 1e-3) / 1e9 / copy_gbps for s in sweep}
     qg = q.view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")
     for b in range(B):  # float32 reference, one sequence at a time to bound memory
         p = torch.softmax(qg[b] @ k[b].float().transpose(-1, -2) * scale, -1)
         ref[b] = p @ v[b].float()
-    err = lambda: rel_err(out.view(B, KVH, H // KVH, D), ref)  # noqa: E731
-
-    def run_with(**kw):
-        return lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out, **kw)
-
-    run = run_with()  # the engine's call: merge inside the split kernel, heuristic split count
-    res["ridge_eager_ms"] = bench_ms(run)
-    res["best_config"] = str(_decode_split_kernel.best_config)  # the autotuner's pick for this shape
-    res["ridge_ms"] = bench_graph_ms(run)
-    res["ridge_ms_again"] = bench_graph_ms(run)
-    res["ridge_rel_err"] = err()
-    two = run_with(fused_merge=False)
-    res["two_kernel_ms"] = bench_graph_ms(two)
-    res["two_kernel_best_config"] = str(_decode_split_kernel.best_config)
-    res["two_kernel_rel_err"] = err()
-    # the split count is the decode kernel's main lever: both merge forms at each count
-    res["splits_sweep"] = {}
-    for s in sweep:
-        row = {}
-        for name, fused in (("fused", True), ("two_kernel", False)):
-            ms = bench_graph_ms(run_with(num_splits=s, fused_merge=fused))
-            row[f"{name}_us"], row[f"{name}_frac"] = ms * 1e3, frac(ms)
-            row[f"{name}_config"] = str(_decode_split_kernel.best_config)
-            row[f"{name}_rel_err"] = err()
-        res["splits_sweep"][s] = row
-    run()  # leave the engine's output in `out` for the check below
-    res["ridge_rel_err_after_sweep"] = err()
+    res["ridge_rel_err"] = rel_err(out.view(B, KVH, H // KVH, D), ref)
     q4 = q.view(B, H, 1, D)
     sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
     res["sdpa_eager_ms"] = try_peer("sdpa decode", sdpa)
     res["sdpa_ms"] = try_peer("sdpa decode (graph)", sdpa, bench_graph_ms)
-    for name in ("ridge", "two_kernel", "sdpa"):
+    for name in ("ridge", "sdpa"):
         ms = res[f"{name}_ms"]
         res[f"{name}_GBps"] = None if ms is None else kv_bytes / (ms * 1e-3) / 1e9
         res[f"{name}_frac_copy_bw"] = None if ms is None else res[f"{name}_GBps"] / copy_gbps
@@ -230,13 +184,10 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     ap.add_argument("--json", default=os.path.join(out_dir, "attention.json") if out_dir else None)
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
-    ap.add_argument("--splits-sweep", type=int, nargs="*", default=None,
-                    help="also time the decode kernel, merge fused and two-kernel, at these split counts "
-                         f"(default with no values: {' '.join(map(str, DEFAULT_SWEEP))})")
+    ap.add_argument("--splits-sweep", type=int, nargs="*", default=[],
+                    help="also time the decode kernel at these split counts (fraction of copy bandwidth)")
     ap.add_argument("--sweep-b1-only", action="store_true", help="apply --splits-sweep to the B=1 shape only")
     args = ap.parse_args()
-    if args.splits_sweep is not None and not args.splits_sweep:
-        args.splits_sweep = list(DEFAULT_SWEEP)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     torch.manual_seed(0)
@@ -252,10 +203,9 @@ def main() -> None:
     result["decode"] = []
     for B, L in ((1, 32768), (32, 4096), (128, 2048)) if args.only != "prefill" else ():
         print(f"decode B={B} L={L} ...", flush=True)
-        sweep = (args.splits_sweep or ()) if (B == 1 or not args.sweep_b1_only) else ()
+        sweep = args.splits_sweep if (B == 1 or not args.sweep_b1_only) else ()
         result["decode"].append(bench_decode(B, L, copy_gbps, sweep=sweep))
         torch.cuda.empty_cache()
-    result["decode_compiled_variants"] = compiled_decode_variants() if result["decode"] else []
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -271,7 +221,7 @@ def main() -> None:
               f"{r['ridge_rel_err']:>9.2e}")
         print(f"      autotune pick: {r['best_config']}")
     print("decode bf16, 32 q / 8 kv heads, D=128, page 16, CUDA-graph replays   (GB/s, fraction of copy bandwidth)")
-    print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'GB/s':>6} {'frac':>5} {'2-kern us':>9} {'frac':>5} "
+    print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'GB/s':>6} {'frac':>5} "
           f"{'sdpa us':>8} {'GB/s':>6} {'frac':>5} {'rel_err':>9}")
     for r in result["decode"]:
         sdpa_us = None if r["sdpa_ms"] is None else r["sdpa_ms"] * 1e3
@@ -279,19 +229,10 @@ def main() -> None:
               f"eager: ridge {r['ridge_eager_ms'] * 1e3:.1f} us, sdpa {fmt(r['sdpa_eager_ms'] and r['sdpa_eager_ms'] * 1e3)} us")
         print(f"{r['B']:>4} {r['L']:>6} {r['num_splits']:>6} {r['ridge_ms'] * 1e3:>9.1f} "
               f"{fmt(r['ridge_GBps'], '.0f'):>6} {fmt(r['ridge_frac_copy_bw'], '.2f'):>5} "
-              f"{r['two_kernel_ms'] * 1e3:>9.1f} {fmt(r['two_kernel_frac_copy_bw'], '.2f'):>5} "
               f"{fmt(sdpa_us):>8} {fmt(r['sdpa_GBps'], '.0f'):>6} "
               f"{fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} {r['ridge_rel_err']:>9.2e}")
         if r["splits_sweep"]:
-            print(f"      splits sweep at B={r['B']} L={r['L']} (merge in the split kernel vs two kernels):")
-            print(f"      {'splits':>6} {'fused us':>9} {'frac':>5} {'2-kern us':>9} {'frac':>5} "
-                  f"{'fused/2-kern':>12} {'max rel_err':>11}")
-            for n, w in r["splits_sweep"].items():
-                print(f"      {n:>6} {w['fused_us']:>9.1f} {w['fused_frac']:>5.2f} {w['two_kernel_us']:>9.1f} "
-                      f"{w['two_kernel_frac']:>5.2f} {w['fused_us'] / w['two_kernel_us']:>12.3f} "
-                      f"{max(w['fused_rel_err'], w['two_kernel_rel_err']):>11.2e}")
-    for line in result["decode_compiled_variants"]:
-        print(f"      compiled split kernel: {line}")
+            print("      splits -> frac of copy bw: " + "  ".join(f"{s}:{f:.2f}" for s, f in r["splits_sweep"].items()))
 
 
 if __name__ == "__main__":

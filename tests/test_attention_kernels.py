@@ -17,7 +17,6 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ridge.kernels import decode_attention as decode_module  # noqa: E402
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
 from ridge.kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
 from ridge.kernels.attention_triton import triton_paged_attention  # noqa: E402
@@ -162,16 +161,14 @@ def test_decode_ragged(heads, kv_heads, head_dim):
     check([1] * len(DECODE_LENS), DECODE_LENS, heads, kv_heads, head_dim, decode_attention)
 
 
-@pytest.mark.parametrize("fused_merge", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 2, 8])
-def test_decode_num_splits_and_workspace(num_splits, fused_merge):
+def test_decode_num_splits_and_workspace(num_splits):
     lens = [1, 45, 129, 16]
     q, kc, vc, meta, k_new, v_new = make_batch([1] * len(lens), lens, 8, 2, 64)
     n = len(lens) * 8 * num_splits
     ws = (torch.full((n * 64,), float("nan")), torch.full((n,), float("nan")))
     out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=num_splits,
-                       workspace=ws, fused_merge=fused_merge)
-    assert tickets_all_zero(CPU)
+                       workspace=ws)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125),
                                atol=1e-4, rtol=1e-4)
 
@@ -187,79 +184,6 @@ def test_decode_sliding_window():
 
 def test_decode_page_size_32():
     check([1] * 3, [31, 33, 90], 4, 1, 64, decode_attention, page=32)
-
-
-# -------------------------------------------------------------- decode: the merge inside the kernel
-def tickets_all_zero(device) -> bool:
-    """The fused merge's per-(sequence, kv head) counters must be zero between launches: the last
-    split of each (sequence, kv head) resets its own."""
-    buf = decode_module._TICKETS.get(decode_module._device_key(device))
-    return buf is None or buf.count_nonzero().item() == 0
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("the fused merge must not launch _merge_kernel")
-
-
-# ragged: length 1, a whole page, lengths off the page and tile grid; row 2 is padding (no query)
-FUSED_Q_LENS = [1, 1, 0, 1, 1, 1, 1]
-FUSED_LENS = [1, 16, 40, 45, 100, 129, 7]
-
-
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
-@pytest.mark.parametrize("heads,kv_heads", GQA)
-def test_decode_fused_merge_matches_two_kernel_and_ref(heads, kv_heads, num_splits, monkeypatch):
-    q, kc, vc, meta, k_new, v_new = make_batch(FUSED_Q_LENS, FUSED_LENS, heads, kv_heads, 64)
-    ref = paged_attention_ref(q, kc, vc, meta, 0.125)
-    two = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=num_splits,
-                       fused_merge=False)
-    with monkeypatch.context() as m:
-        m.setattr(decode_module, "_merge_kernel", _NoLaunch())
-        fused = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=num_splits)
-    assert tickets_all_zero(CPU)
-    torch.testing.assert_close(two, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused, two, atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("window", [None, 24])
-def test_decode_fused_merge_counters_stay_zero(window):
-    """Two calls in a row, then a call where most splits are empty (7 splits of 32-key tiles: the
-    100-key row has 4 live splits, the short rows 1), with and without a sliding window."""
-    calls = [([1, 1, 1], [100, 129, 45], 3), ([1, 1, 1], [100, 129, 45], 3),
-             ([1, 0, 1, 1], [100, 3, 1, 33], 7)]
-    outs = []
-    for q_lens, lens, splits in calls:
-        q, kc, vc, meta, k_new, v_new = make_batch(q_lens, lens, 8, 2, 64)
-        out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, window, num_splits=splits)
-        assert tickets_all_zero(CPU)
-        torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window),
-                                   atol=1e-4, rtol=1e-4)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-
-
-def test_ticket_counters_grow_and_never_free():
-    cur = decode_module._ticket_counters(CPU, 1)
-    assert decode_module._ticket_counters(CPU, cur.numel()) is cur          # served: no new buffer
-    bigger = decode_module._ticket_counters(CPU, cur.numel() + 1)
-    assert bigger is not cur and bigger.numel() > cur.numel() and bigger.dtype == torch.int32
-    assert bigger.count_nonzero() == 0
-    # a graph captured before the growth still points at the old buffer: it must stay alive
-    assert any(t is cur for t in decode_module._RETIRED_TICKETS)
-
-
-def test_fused_register_cap_only_for_the_measured_shapes():
-    import triton
-    cfgs = [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3)]
-    cap = decode_module._cap_fused_registers
-    capped = cap(cfgs, {}, FUSED=True, HEAD_DIM=128, BLOCK_H=16)
-    assert [c.maxnreg for c in capped] == [decode_module._FUSED_MAXNREG]
-    assert (capped[0].kwargs, capped[0].num_stages) == (cfgs[0].kwargs, 3)
-    assert cap(cfgs, {}, FUSED=False, HEAD_DIM=128, BLOCK_H=16) is cfgs   # the two-kernel split kernel
-    assert cap(cfgs, {}, FUSED=True, HEAD_DIM=256, BLOCK_H=16) is cfgs    # its main loop needs more
-    assert cap(cfgs, {}, FUSED=True, HEAD_DIM=128, BLOCK_H=32) is cfgs
 
 
 # ----------------------------------------------------------------------------------- dispatch, misc
@@ -338,47 +262,6 @@ def test_gpu_prefill_bf16(head_dim, heads, kv_heads):
     gpu_check([1024, 513, 1, 2000, 77], [1024, 1513, 4001, 2000, 3077], heads, kv_heads,
               head_dim, triton_paged_attention, seed)
     gpu_check([300, 1], [2300, 900], heads, kv_heads, head_dim, prefill_attention, seed, window=512)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("lens,splits", [([32768], (64, 37, 128)), ([4096] * 32, (2, 5))])
-def test_gpu_decode_fused_merge_fp64_twice_and_graph(lens, splits):
-    """The fused merge at real shapes: against a float64 reference, bit-identical across two calls
-    (whichever program draws the last ticket on the GPU) and across two replays of a CUDA graph,
-    with the counters zero after each."""
-    dev = torch.device("cuda")
-    seed = int(torch.randint(0, 2**31, ()).item())
-    q, kc, vc, meta, _, _ = make_batch([1] * len(lens), lens, 32, 8, 128, dtype=torch.bfloat16,
-                                       device=dev, seed=seed)
-    scale = 1.0 / math.sqrt(128)
-    ref = paged_attention_ref(q.double(), kc.double(), vc.double(), meta, scale)
-    rel = lambda o: ((o.double() - ref).norm() / ref.norm()).item()  # noqa: E731
-    for s in splits:
-        two = run_poisoned(decode_attention, q, None, None, kc, vc, meta, scale, num_splits=s,
-                           fused_merge=False)
-        first = run_poisoned(decode_attention, q, None, None, kc, vc, meta, scale, num_splits=s)
-        assert tickets_all_zero(dev)
-        again = run_poisoned(decode_attention, q, None, None, kc, vc, meta, scale, num_splits=s)
-        assert tickets_all_zero(dev)
-        assert torch.equal(first, again), s
-        assert rel(first) <= 1e-2 and rel(two) <= 1e-2, (s, rel(first), rel(two))
-        static = torch.full_like(q, float("nan"))
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            decode_attention(q, kc, vc, meta, scale, out=static, num_splits=s)
-        for _ in range(2):
-            static.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(static, first), s
-            assert tickets_all_zero(dev)
-    # the counters never grow inside a capture (the memset would only be recorded, not run)
-    have = decode_module._TICKETS[decode_module._device_key(dev)].numel()
-    with pytest.raises(RuntimeError, match="capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            decode_module._ticket_counters(dev, have + 1)
 
 
 @pytest.mark.gpu
