@@ -11,6 +11,13 @@
   silu_and_mul      [T, 2I] -> [T, I]          bytes: read 2I, write I per token
   rotary            q and k views of a QKV output, out of place; reads T position ids and the
                     T half-rows of the fp32 cos and sin tables the kernel needs
+  rope_kv_write     what the engine runs every layer: rotary on q and k plus the rotated k and v
+                    written to T random slots of a paged cache (page 16), one kernel. bytes: read
+                    q, k, v, the positions, slots and table half-rows; write q, k and the K/V rows.
+                    Also timed: its separate-kernel peer, apply_rotary then write_kv ("separate",
+                    bitwise equal by contract), with do_bench and, as in a decode step, replayed
+                    from a CUDA graph (do_bench_cudagraph: many calls in one graph, mean per call,
+                    no L2 flush), where the second kernel's launch gap is what fusion removes
 
 Minimum bytes are the bytes the operation must move (each input read once, each output
 written once); GB/s = minimum bytes / time, and `frac` = that / the device's copy bandwidth,
@@ -30,17 +37,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ridge.bench.common import fmt  # noqa: E402
+from ridge.kernels.kv_write import write_kv  # noqa: E402
 from ridge.kernels.rmsnorm import rms_norm  # noqa: E402
-from ridge.kernels.rotary import apply_rotary  # noqa: E402
+from ridge.kernels.rotary import apply_rotary, rope_write_kv  # noqa: E402
 from ridge.kernels.silu_mul import silu_and_mul  # noqa: E402
 from ridge.layers.activation import silu_and_mul_ref  # noqa: E402
 from ridge.layers.norm import rms_norm_ref  # noqa: E402
-from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref  # noqa: E402
+from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref, rope_write_kv_ref  # noqa: E402
 from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 4096, 14336, 32, 8, 128, 131072
 DT = torch.bfloat16
-CASES = ("rmsnorm_residual", "rmsnorm", "qk_norm", "silu_and_mul", "rotary")
+CASES = ("rmsnorm_residual", "rmsnorm", "qk_norm", "silu_and_mul", "rotary", "rope_kv_write")
+PAGE = 16
 
 
 def bench_ms(fn) -> float:
@@ -55,8 +65,17 @@ def copy_bandwidth() -> float:
     return measure_bandwidth(torch.device("cuda"))[0] / 1e9
 
 
+def bench_graph_ms(fn) -> float:
+    """Mean per call of many calls replayed from one CUDA graph (no launch overhead from the host)."""
+    from triton.testing import do_bench_cudagraph
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=100, return_mode="mean")
+
+
 def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
-    """(ridge fn, reference fn, minimum bytes); both fns return a tuple of output tensors."""
+    """(ridge fn, reference fn, minimum bytes, {other peer: fn}); every fn returns a tuple of
+    output tensors."""
     def rnd(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=g, device="cuda")).to(DT)
     e = DT.itemsize
@@ -65,14 +84,14 @@ def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         if name == "rmsnorm":
             return ((lambda: (rms_norm(x, w, 1e-5, out=out),)),
-                    (lambda: (rms_norm_ref(x, w, 1e-5),)), (2 * T * HIDDEN + HIDDEN) * e)
+                    (lambda: (rms_norm_ref(x, w, 1e-5),)), (2 * T * HIDDEN + HIDDEN) * e, {})
 
         def ref():
             s = x + r
             return rms_norm_ref(s, w, 1e-5), s
         return ((lambda: rms_norm(x, w, 1e-5, r, out=out, residual_out=res_out)), ref,
-                (4 * T * HIDDEN + HIDDEN) * e)
-    if name in ("qk_norm", "rotary"):
+                (4 * T * HIDDEN + HIDDEN) * e, {})
+    if name in ("qk_norm", "rotary", "rope_kv_write"):
         qkv = rnd(T, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
         q = qkv[:, :HEADS * HEAD_DIM].view(T, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(T, KV_HEADS, HEAD_DIM)
@@ -82,15 +101,39 @@ def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
             wq, wk = rnd(HEAD_DIM, scale=0.3) + 1, rnd(HEAD_DIM, scale=0.3) + 1
             return ((lambda: (rms_norm(q, wq, 1e-6, out=qo), rms_norm(k, wk, 1e-6, out=ko))),
                     (lambda: (rms_norm_ref(q, wq, 1e-6), rms_norm_ref(k, wk, 1e-6))),
-                    heads_bytes + 2 * HEAD_DIM * e)
+                    heads_bytes + 2 * HEAD_DIM * e, {})
         pos = torch.randint(0, MAX_POS, (T,), generator=g, device="cuda")
-        return ((lambda: apply_rotary(pos, q, k, rope.cos, rope.sin, q_out=qo, k_out=ko)),
-                (lambda: apply_rotary_ref(pos, q, k, rope.cos, rope.sin)),
-                heads_bytes + T * pos.element_size() + T * HEAD_DIM * rope.cos.element_size())
+        table_bytes = T * pos.element_size() + T * HEAD_DIM * rope.cos.element_size()
+        if name == "rotary":
+            return ((lambda: apply_rotary(pos, q, k, rope.cos, rope.sin, q_out=qo, k_out=ko)),
+                    (lambda: apply_rotary_ref(pos, q, k, rope.cos, rope.sin)), heads_bytes + table_bytes, {})
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(T, KV_HEADS, HEAD_DIM)
+        # slots 0..T-1 in shuffled order: scattered rows, and `rows` (the first T slots of each
+        # cache) is exactly what a call writes, so the outputs compared are the written rows
+        slots = torch.randperm(T, generator=g, device="cuda")
+        caches = [torch.zeros(-(-T // PAGE), PAGE, KV_HEADS, HEAD_DIM, dtype=DT, device="cuda") for _ in range(6)]
+        rows = [c.view(-1, KV_HEADS, HEAD_DIM)[:T] for c in caches]
+        qo2, ko2 = torch.empty_like(qo), torch.empty_like(ko)
+
+        def fused():
+            rope_write_kv(pos, q, k, v, rope.cos, rope.sin, caches[0], caches[1], slots, q_out=qo, k_out=ko)
+            return qo, ko, rows[0], rows[1]
+
+        def separate():
+            apply_rotary(pos, q, k, rope.cos, rope.sin, q_out=qo2, k_out=ko2)
+            write_kv(ko2, v, caches[2], caches[3], slots)
+            return qo2, ko2, rows[2], rows[3]
+
+        def ref():
+            return (*rope_write_kv_ref(pos, q, k, v, rope.cos, rope.sin, caches[4], caches[5], slots),
+                    rows[4], rows[5])
+        # + read v, write the K/V rows, read the slots (k is read once: the separate write re-reads it)
+        kv_bytes = 3 * T * KV_HEADS * HEAD_DIM * e + T * slots.element_size()
+        return fused, ref, heads_bytes + table_bytes + kv_bytes, {"separate": separate}
     if name == "silu_and_mul":
         x = rnd(T, 2 * INTER, scale=4.0)
         out = torch.empty(T, INTER, dtype=DT, device="cuda")
-        return ((lambda: (silu_and_mul(x, out=out),)), (lambda: (silu_and_mul_ref(x),)), 3 * T * INTER * e)
+        return ((lambda: (silu_and_mul(x, out=out),)), (lambda: (silu_and_mul_ref(x),)), 3 * T * INTER * e, {})
     raise ValueError(name)
 
 
@@ -104,9 +147,11 @@ def compare(ridge_out, ref_out) -> dict:
 
 
 def run_case(name, T, g, rope, copy_gbps, use_compile) -> dict:
-    ridge_fn, ref_fn, nbytes = make_case(name, T, g, rope)
+    ridge_fn, ref_fn, nbytes, others = make_case(name, T, g, rope)
     res = {"case": name, "T": T, "min_bytes": nbytes, **compare(ridge_fn(), ref_fn())}
-    peers = {"ridge": ridge_fn, "torch": ref_fn}
+    for peer, fn in others.items():
+        res[f"{peer}_bitwise_equal_frac"] = compare(ridge_fn(), fn())["bitwise_equal_frac"]
+    peers = {"ridge": ridge_fn, "torch": ref_fn, **others}
     if use_compile:
         try:
             peers["compiled"] = torch.compile(ref_fn, dynamic=False)
@@ -122,11 +167,14 @@ def run_case(name, T, g, rope, copy_gbps, use_compile) -> dict:
         res[f"{peer}_GBps"] = None if ms is None else nbytes / (ms * 1e-3) / 1e9
         res[f"{peer}_frac_copy_bw"] = None if ms is None else res[f"{peer}_GBps"] / copy_gbps
     res["speedup_vs_torch"] = res["torch_us"] / res["ridge_us"] if res["ridge_us"] and res["torch_us"] else None
+    # a case with a kernel peer is also timed as a decode step runs it: replayed from a CUDA graph
+    for peer, fn in ({"ridge": ridge_fn, **others} if others else {}).items():
+        try:
+            res[f"{peer}_graph_us"] = bench_graph_ms(fn) * 1e3
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} T={T} {peer} in a CUDA graph: n/a ({type(e).__name__})")
+            res[f"{peer}_graph_us"] = None
     return res
-
-
-def fmt(x, spec=".1f"):
-    return "n/a" if x is None else format(x, spec)
 
 
 def parse_args(argv=None):
@@ -175,12 +223,25 @@ def main(argv=None) -> None:
     head += f" {'compiled us':>11} {'frac':>5}" if args.compile else ""
     print(head + f" {'speedup':>7} {'eq':>6}")
     for r in result["cases"]:
-        line = (f"{r['case']:<17}{r['T']:>5} {fmt(r['ridge_us']):>9} {fmt(r['ridge_GBps'], '.0f'):>6} "
-                f"{fmt(r['ridge_frac_copy_bw'], '.2f'):>5} {fmt(r['torch_us']):>9} {fmt(r['torch_GBps'], '.0f'):>6} "
+        line = (f"{r['case']:<17}{r['T']:>5} {fmt(r['ridge_us'], '.1f'):>9} {fmt(r['ridge_GBps'], '.0f'):>6} "
+                f"{fmt(r['ridge_frac_copy_bw'], '.2f'):>5} {fmt(r['torch_us'], '.1f'):>9} {fmt(r['torch_GBps'], '.0f'):>6} "
                 f"{fmt(r['torch_frac_copy_bw'], '.2f'):>5}")
         if args.compile:
-            line += f" {fmt(r.get('compiled_us')):>11} {fmt(r.get('compiled_frac_copy_bw'), '.2f'):>5}"
+            line += f" {fmt(r.get('compiled_us'), '.1f'):>11} {fmt(r.get('compiled_frac_copy_bw'), '.2f'):>5}"
         print(line + f" {fmt(r['speedup_vs_torch'], '.2f'):>7} {r['bitwise_equal_frac']:>6.4f}")
+    fused = [r for r in result["cases"] if "separate_us" in r]
+    if fused:
+        print("\nfused vs separate kernels (apply_rotary then write_kv); graph = replayed from a CUDA graph; "
+              "eq = fraction of outputs bitwise equal to the separate kernels'")
+        print(f"{'case':<17}{'T':>5} {'fused us':>9} {'separate us':>11} {'speedup':>7} "
+              f"{'graph fused us':>14} {'graph sep us':>12} {'speedup':>7} {'eq':>6}")
+        for r in fused:
+            sp = r["separate_us"] / r["ridge_us"] if r["separate_us"] and r["ridge_us"] else None
+            gsp = (r["separate_graph_us"] / r["ridge_graph_us"]
+                   if r.get("separate_graph_us") and r.get("ridge_graph_us") else None)
+            print(f"{r['case']:<17}{r['T']:>5} {fmt(r['ridge_us'], '.1f'):>9} {fmt(r['separate_us'], '.1f'):>11} {fmt(sp, '.2f'):>7} "
+                  f"{fmt(r.get('ridge_graph_us'), '.2f'):>14} {fmt(r.get('separate_graph_us'), '.2f'):>12} "
+                  f"{fmt(gsp, '.2f'):>7} {r['separate_bitwise_equal_frac']:>6.4f}")
 
 
 if __name__ == "__main__":

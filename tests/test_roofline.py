@@ -122,9 +122,9 @@ def test_instrumentation_leaves_the_model_as_it_was(tiny_llm, roofline_env):
         tl = Timeline("clock")
         with instrument_runner(runner, tl):
             engine_step_fn(tiny_llm.engine, built)(tl)
-        assert {"embed", "norm", "qkv_proj", "rotary", "kv_write", "attention", "o_proj", "gate_up_proj",
+        assert {"embed", "norm", "qkv_proj", "rope_kv_write", "attention", "o_proj", "gate_up_proj",
                 "activation", "down_proj", "lm_head", "sampling", "host"} <= set(tl.calls)
-        assert tl.calls["kv_write"] == tl.calls["attention"] == 2 and not tl.stack
+        assert tl.calls["rope_kv_write"] == tl.calls["attention"] == 2 and not tl.stack
     finally:
         release(tiny_llm.engine, built)
     assert not tiny_llm.engine.scheduler.has_work()
@@ -206,19 +206,23 @@ def test_step_diagnosis_from_known_timings():
     assert s2.label == "compute-bound" and s2.first_target.startswith("attack gemm first")
 
 
-def test_kv_write_folds_into_attention_when_not_timed_alone():
+@pytest.mark.parametrize("part,host_op", [("rope_kv_write", "attention"), ("activation", "down_proj")])
+def test_untimed_fused_op_folds_into_its_host(part, host_op):
+    """An op that ran inside another one's kernel (RoPE + KV write inside an unwrapped attention
+    backend; SiLU-and-mul fused into the small-batch GEMV of down_proj) is charged there."""
     c = fake_ceilings()
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     cfg_costs = step_costs(cfg, StepShape.decode(1, 4))
-    times = {o.name: 1e-3 for o in cfg_costs if o.name != "kv_write"}
+    times = {o.name: 1e-3 for o in cfg_costs if o.name != part}
     s = diagnose_step("decode", StepShape.decode(1, 4), cfg_costs,
                       StepTiming(20e-3, times, {}, {}), c, 1, 4, 1)
     rows = {r.op: r for r in s.rows}
-    kv = next(o for o in cfg_costs if o.name == "kv_write")
-    att = next(o for o in cfg_costs if o.name == "attention")
-    assert "kv_write" not in rows and rows["attention"].bytes == att.bytes + kv.bytes
-    assert any("kv_write" in n for n in s.notes)
+    inner = next(o for o in cfg_costs if o.name == part)
+    outer = next(o for o in cfg_costs if o.name == host_op)
+    assert part not in rows and rows[host_op].bytes == outer.bytes + inner.bytes
+    assert rows[host_op].flops == outer.flops + inner.flops
+    assert any(n.startswith(part) for n in s.notes)
 
 
 # -- known character, measured on this CPU ---------------------------------------------------------

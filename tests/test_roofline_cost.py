@@ -36,8 +36,9 @@ def test_decode_step_by_hand():
         # the final one with residual but no residual output (5, read 2 + write 1); 5 weight vectors
         "norm":         (2 * 64 * (4 + 5 * 4),       2 * 64 * 2 * (2 + 4 * 3 + 3) + 5 * 64 * 2),
         "qkv_proj":     (2 * (2 * 2 * 64 * 128),     2 * (64 * 128 * 2 + 2 * 64 * 2 + 2 * 128 * 2)),
-        "rotary":       (2 * (3 * 2 * 6 * 16),       2 * (2 * 2 * 96 * 2 + 2 * 16 * 4)),
-        "kv_write":     (0,                          2 * (2 * 64 * 2 + 2 * 64 * 2)),
+        # read q, k, v (2 x 128 elements), write q, k (2 x 96), the tables (2 x 16 x 4 bytes),
+        # the K/V rows (2 x 64)
+        "rope_kv_write": (2 * (3 * 2 * 6 * 16),      2 * (2 * (128 + 96) * 2 + 2 * 16 * 4 + 2 * 64 * 2)),
         # 20 (row, key) pairs (2 sequences x 10 keys); Q + O, then 10 keys x (K + V) per sequence
         "attention":    (2 * (4 * 4 * 16 * 20),      2 * (2 * 2 * 64 * 2 + 20 * 2 * 32 * 2)),
         "o_proj":       (2 * (2 * 2 * 64 * 64),      2 * (64 * 64 * 2 + 2 * 64 * 2 + 2 * 64 * 2)),
@@ -47,7 +48,7 @@ def test_decode_step_by_hand():
         "lm_head":      (2 * 2 * 64 * 512,           512 * 64 * 2 + 2 * 64 * 2 + 2 * 512 * 4),
         "sampling":     (2 * 512,                    2 * 512 * 4),
     }
-    literal = {"norm": (3072, 4992), "qkv_proj": (65536, 34304), "rotary": (1152, 1792), "kv_write": (0, 1024),
+    literal = {"norm": (3072, 4992), "qkv_proj": (65536, 34304), "rope_kv_write": (1152, 2560),
                "attention": (10240, 6144), "o_proj": (32768, 17408), "gate_up_proj": (131072, 68096),
                "activation": (2560, 3072), "down_proj": (65536, 34304), "lm_head": (131072, 69888)}
     for name, (flops, nbytes) in expected.items():
@@ -55,7 +56,7 @@ def test_decode_step_by_hand():
     for name, (flops, nbytes) in literal.items():
         assert (c[name].flops, c[name].bytes) == (flops, nbytes), name
     assert c["qkv_proj"].weight_bytes == 2 * 64 * 128 * 2
-    assert c["attention"].kv_bytes == 20 * 2 * 32 * 2 * 2 and c["kv_write"].kv_bytes == 2 * 2 * 64 * 2
+    assert c["attention"].kv_bytes == 20 * 2 * 32 * 2 * 2 and c["rope_kv_write"].kv_bytes == 2 * 2 * 64 * 2
     assert c["norm"].calls == 5 and c["qkv_proj"].calls == 2 and c["lm_head"].calls == 1
 
 
@@ -74,7 +75,7 @@ def test_prefill_and_precisions_by_hand():
     # FP8 KV: the attention's cache reads and the KV write's stores halve
     f8 = by_name(step_costs(cfg, StepShape.decode(1, 4, PRECISIONS["fp8-kv"])))
     assert f8["attention"].kv_bytes == 4 * 2 * 32 * 1 * 2
-    assert f8["kv_write"].bytes == 2 * (1 * 64 * 2 + 1 * 64 * 1)
+    assert f8["rope_kv_write"].bytes == 2 * (1 * (128 + 96) * 2 + 16 * 4 + 1 * 64 * 1)
     fp8 = by_name(step_costs(cfg, StepShape.decode(1, 4, PRECISIONS["fp8"])))
     assert fp8["o_proj"].compute == "fp8" and fp8["o_proj"].weight_bytes == 2 * 64 * 64 * (1 + 4 / 128 ** 2)
     # random sampling: 10 FLOPs a logit
@@ -154,7 +155,7 @@ def test_prediction_and_utilization_by_hand():
     # tiny decode: every op is on the memory side, so the floor is bytes / bandwidth
     assert floor == pytest.approx(sum(c.bytes for c in costs) / 1e12)
     flops = 3072 + 65536 + 1152 + 10240 + 32768 + 131072 + 2560 + 65536 + 131072 + 1024
-    nbytes = 512 + 4992 + 34304 + 1792 + 1024 + 6144 + 17408 + 68096 + 3072 + 34304 + 69888 + 4096
+    nbytes = 512 + 4992 + 34304 + 2560 + 6144 + 17408 + 68096 + 3072 + 34304 + 69888 + 4096
     mfu, mbu = step_utilization(cfg, ceil, shape, 1e-6)
     assert mfu == pytest.approx(flops / 1e-6 / 100e12)
     assert mbu == pytest.approx(nbytes / 1e-6 / 1e12)

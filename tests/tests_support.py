@@ -8,6 +8,20 @@ import torch
 from ridge.layers.sampler import SamplingBatch
 
 
+def capture_cuda_graph(step):
+    """Run `step` once on a side stream (compile and autotune outside the capture, as torch
+    recommends), then capture it; returns (graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def single_row_batch(params, step: int, vocab: int, device) -> SamplingBatch:
     """The SamplingBatch ridge builds for sample 0 of a request with these params at `step`."""
     def t(v, dtype=torch.float32):

@@ -4,12 +4,22 @@ One program per token copies its [kv_heads, head_dim] K and V rows. In the cache
 kv_heads * head_dim contiguous elements, so each program issues a couple of wide, fully coalesced
 stores; the inputs may be strided views (e.g. slices of a fused QKV projection output). A negative
 slot marks a padding token (e.g. a CUDA-graph pad) and is skipped.
+
+The engine writes the cache through ridge.kernels.rotary.rope_write_kv, which rotates k and
+writes it in the same launch, with this file's slot rule (`slot_row`); `write_kv` is the
+separate kernel that fused one is checked and timed against.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def slot_row(Cache, slot, stride_cb, stride_ct, PAGE: tl.constexpr):
+    """The cache row of a slot: page slot // PAGE, row slot % PAGE (slot >= 0)."""
+    return Cache + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
 
 
 @triton.jit
@@ -22,17 +32,15 @@ def _write_kv_kernel(K, V, K_cache, V_cache, slot_mapping,
     slot = tl.load(slot_mapping + tok).to(tl.int64)
     if slot < 0:
         return
-    page = slot // PAGE
-    row = slot % PAGE
+    k_row = slot_row(K_cache, slot, stride_kcb, stride_kct, PAGE)
+    v_row = slot_row(V_cache, slot, stride_vcb, stride_vct, PAGE)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
     k = tl.load(K + tok * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(V + tok * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
-    tl.store(K_cache + page * stride_kcb + row * stride_kct + offs_h * stride_kch + offs_d,
-             k.to(K_cache.dtype.element_ty), mask=mask)
-    tl.store(V_cache + page * stride_vcb + row * stride_vct + offs_h * stride_vch + offs_d,
-             v.to(V_cache.dtype.element_ty), mask=mask)
+    tl.store(k_row + offs_h * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(v_row + offs_h * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,6 +1,10 @@
-"""The one attention interface the model calls: write the new K/V into the paged cache, then
-attend over each sequence's pages. The backend is picked once, by device: the pure-torch
-reference on the CPU, ridge's Triton kernels on CUDA where they exist.
+"""The one attention interface the model calls: rotate q and k, write the new K/V into the paged
+cache, then attend over each sequence's pages. The backend is picked once, by device: the
+pure-torch reference on the CPU, ridge's Triton kernels on CUDA where they exist.
+
+Rotary embedding and the cache write are one backend call, `rope_write_kv`: every rotated k is
+written to the cache at once, so the Triton backend does both in one kernel per layer (one
+launch and one inter-kernel gap fewer per layer in a decode step; ridge/kernels/rotary.py).
 """
 from __future__ import annotations
 
@@ -11,13 +15,16 @@ import torch
 from torch import nn
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from ridge.kernels.attention_ref import paged_attention_ref
+from ridge.layers.rotary import RotaryEmbedding, rope_write_kv_ref
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    write_kv: Callable
+    # (positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> rotated (q, k); k and v
+    # written to their slots (negative slot: none)
+    rope_write_kv: Callable
     attend: Callable
 
 
@@ -26,7 +33,7 @@ def _torch_attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
-TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attend)
+TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, _torch_attend)
 
 
 def triton_supports(head_dim: int) -> bool:
@@ -43,25 +50,28 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
     if name in ("auto", "triton"):
         try:
             from ridge.kernels.attention_triton import triton_paged_attention
-            from ridge.kernels.kv_write import write_kv
+            from ridge.kernels.rotary import rope_write_kv
         except ImportError:
             if name == "triton":
                 raise
             return TORCH_BACKEND
-        return AttentionBackend("triton", write_kv, triton_paged_attention)
+        return AttentionBackend("triton", rope_write_kv, triton_paged_attention)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None, backend: AttentionBackend):
+                 sliding_window: int | None, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
         self.backend = backend
+        self.rotary = rotary
 
-    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]."""
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, k = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
+                                          k_cache, v_cache, meta.slot_mapping)
         return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)

@@ -2,10 +2,14 @@
 
 cos/sin are computed once for every position up to max_position in float32, exactly as
 transformers computes them (inverse frequencies in float32, one product per element), and
-gathered per token: a decode step then costs one gather, not a cos/sin per token. On CUDA the
-Triton kernel (ridge/kernels/rotary.py) rotates q and k in one launch, computing in fp32 from
-the fp32 tables and rounding once; the torch reference here (the CPU path) rounds cos/sin and
-every intermediate to the input dtype, as transformers does.
+gathered per token: a decode step then costs one gather, not a cos/sin per token.
+
+Rotation is always followed by the KV-cache write, so the two are one backend call,
+`AttentionBackend.rope_write_kv`, made by the Attention layer (ridge/layers/attention.py). The
+Triton backend runs them as one kernel (ridge/kernels/rotary.py), computing in fp32 from the
+fp32 tables and rounding once; the torch backend (the CPU path and the oracle) runs
+`rope_write_kv_ref` below: this reference rotation, which rounds cos/sin and every intermediate
+to the input dtype as transformers does, then write_kv_ref.
 """
 from __future__ import annotations
 
@@ -14,10 +18,7 @@ import math
 import torch
 from torch import nn
 
-try:
-    from ridge.kernels.rotary import apply_rotary as apply_rotary_triton
-except ImportError:  # no triton: the reference serves every device
-    apply_rotary_triton = None
+from ridge.kernels.attention_ref import write_kv_ref
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -54,7 +55,19 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rope_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Rotate q, k and write the rotated k and v into their cache slots; returns the rotated
+    (q, k). The torch backend's rope_write_kv and the reference of the fused kernel."""
+    q, k = apply_rotary_ref(positions, q, k, cos_table, sin_table)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 class RotaryEmbedding(nn.Module):
+    """The fp32 cos/sin tables, [max_position, head_dim], shared by every layer's Attention."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
@@ -62,9 +75,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, d], k: [T, kvh, d]; positions: [T]. Returns new (q, k); the inputs are kept."""
-        if q.is_cuda and apply_rotary_triton is not None:
-            return apply_rotary_triton(positions, q, k, self.cos, self.sin)
-        return apply_rotary_ref(positions, q, k, self.cos, self.sin)

@@ -41,8 +41,8 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend)
+        # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         cfg = self.cfg
@@ -52,8 +52,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
+        out = self.attn(positions, q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, cfg.q_size))
 
 
@@ -65,7 +64,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # the activation is down_proj's: fused into its K loop on the small-batch GEMV path,
+        # silu_and_mul then F.linear otherwise (ridge/layers/linear.py)
+        return self.down_proj(self.gate_up_proj(x), act="silu_mul")
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -3,9 +3,10 @@ shape: the "napkin math" of an LLM step, one op at a time.
 
 The op list is what `ridge/models/llama.py` does, in order:
 
-    embed -> per layer: norm (+residual), qkv_proj (merged), [qk_norm], rotary, kv_write,
-    attention, o_proj, norm (+residual), gate_up_proj (merged), activation (SiLU-and-mul),
-    down_proj -> final norm -> lm_head (only the rows that sample) -> sampling
+    embed -> per layer: norm (+residual), qkv_proj (merged), [qk_norm], rope_kv_write (rotary
+    on q and k fused with the KV-cache write), attention, o_proj, norm (+residual), gate_up_proj
+    (merged), activation (SiLU-and-mul), down_proj -> final norm -> lm_head (only the rows that
+    sample) -> sampling
 
 Conventions (each is the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far
 a kernel is from the memory roof):
@@ -21,8 +22,10 @@ a kernel is from the memory roof):
   - RMSNorm: x*x, accumulate, scale by 1/rms, scale by the weight: 4 FLOPs an element, +1 for
     the residual add; the final norm's residual output is never read, so it is not written;
   - SiLU-and-mul: sigmoid (exp, add, divide) times gate, times up: 5 FLOPs an output element;
-  - rotary: q*cos + rotate(q)*sin: 3 FLOPs an element of q and k; the cos/sin table is float32
-    and has head_dim/2 distinct values of each per position, so 4*head_dim bytes a token;
+  - rope_kv_write: q*cos + rotate(q)*sin: 3 FLOPs an element of q and k; reads q, k, v once
+    and the cos/sin tables (float32, head_dim/2 distinct values of each per position, so
+    4*head_dim bytes a token); writes the rotated q and k (the prefill kernel reads them) and
+    the new K/V rows into the cache;
   - logits are float32 (the sampler works in float32); greedy sampling is one comparison a
     logit; random sampling counts 10 FLOPs a logit (temperature, softmax's max/subtract/exp/
     sum/divide, -log of the noise, divide by it, argmax) and reads the logits once.
@@ -35,7 +38,7 @@ import torch
 
 from ridge.config import ModelConfig
 
-OPS = ("embed", "norm", "qkv_proj", "qk_norm", "rotary", "kv_write", "attention", "o_proj",
+OPS = ("embed", "norm", "qkv_proj", "qk_norm", "rope_kv_write", "attention", "o_proj",
        "gate_up_proj", "activation", "down_proj", "lm_head", "sampling")
 GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
@@ -198,10 +201,11 @@ def step_costs(cfg: ModelConfig, shape: StepShape) -> list[OpCost]:
         rows = T * (H + K)
         ops.append(OpCost("qk_norm", NORM_FLOPS_PER_ELEMENT * rows * d * L, (2 * rows * d * a + 2 * d * a) * L,
                           2 * d * a * L, 0, 2 * L, act_roof))
-    ops.append(OpCost("rotary", ROTARY_FLOPS_PER_ELEMENT * T * (H + K) * d * L,
-                      (2 * T * (q + kv) * a + T * d * ROPE_TABLE_BYTES) * L, 0, 0, L, act_roof))
     kv_written = T * 2 * kv * c * L
-    ops.append(OpCost("kv_write", 0, T * 2 * kv * a * L + kv_written, 0, kv_written, L, act_roof))
+    # read q, k, v; write rotated q, k; the tables; the K/V rows into the cache
+    ops.append(OpCost("rope_kv_write", ROTARY_FLOPS_PER_ELEMENT * T * (H + K) * d * L,
+                      (T * (2 * q + 3 * kv) * a + T * d * ROPE_TABLE_BYTES) * L + kv_written, 0, kv_written, L,
+                      act_roof))
     window = cfg.sliding_window
     pairs = sum(attention_pairs(ql, cl, window) for ql, cl in zip(shape.query_lens, shape.context_lens))
     keys = sum(attention_keys_read(ql, cl, window) for ql, cl in zip(shape.query_lens, shape.context_lens))

@@ -177,7 +177,7 @@ def op_advice(row: OpRow, ceilings: Ceilings, step: str, graph: bool = False) ->
             tip = "one fused pass over the logits (penalties, softmax, top-k/p and the draw together)"
         else:
             tip = ("fuse it into a neighbour so its input never round-trips through memory (residual+RMSNorm, "
-                   "SiLU-and-mul in gate_up's epilogue, RoPE with the KV write), or use 8-bit activations")
+                   "SiLU-and-mul in gate_up's epilogue), or use 8-bit activations")
         where = (f"above the measured memory roof ({row.fraction:.0%}): its operands come from on-chip cache "
                  "(the working set fits), so that is the roof it meets" if row.fraction > CACHE_FRACTION else
                  f"at {row.fraction:.0%} of bandwidth, only fewer bytes help")
@@ -211,14 +211,20 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     notes = list(timing.notes)
     costs = list(costs)
     names = {c.name for c in costs}
-    if {"kv_write", "attention"} <= names and "kv_write" not in op_s and "attention" in op_s:
-        # the attention backend could not be wrapped: its KV write is timed inside attention
-        kv = next(c for c in costs if c.name == "kv_write")
-        att = next(c for c in costs if c.name == "attention")
-        merged = OpCost("attention", att.flops, att.bytes + kv.bytes, 0, att.kv_bytes + kv.kv_bytes, att.calls,
-                        att.compute)
-        costs = [merged if c is att else c for c in costs if c is not kv]
-        notes.append("kv_write is not timed on its own: its cost is included in attention")
+    for part, host_op, why in (
+            # the attention backend could not be wrapped: its rotary + KV write is timed inside attention
+            ("rope_kv_write", "attention", "rope_kv_write is not timed on its own: its cost is included in attention"),
+            # the small-batch GEMV applies SiLU-and-mul inside down_proj's K loop: no kernel of its own
+            ("activation", "down_proj", "activation is fused into down_proj (small-batch GEMV): its cost is "
+                                        "included there")):
+        if {part, host_op} <= names and part not in op_s and host_op in op_s:
+            inner = next(c for c in costs if c.name == part)
+            outer = next(c for c in costs if c.name == host_op)
+            merged = OpCost(host_op, outer.flops + inner.flops, outer.bytes + inner.bytes,
+                            outer.weight_bytes + inner.weight_bytes, outer.kv_bytes + inner.kv_bytes,
+                            outer.calls, outer.compute)
+            costs = [merged if c is outer else c for c in costs if c is not inner]
+            notes.append(why)
     step = timing.step_s
     graph = getattr(timing, "graph", False)
     rows = [op_row(c, op_s.get(c.name), kernels.get(c.name), calls.get(c.name, 0.0), step, ceilings, graph)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import statistics
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,20 +41,21 @@ REP_PREFIX = "ridge.rep/"
 HOST = "host"          # host-side batch preparation (lists -> device tensors): not a roofline op
 # Triton launches its kernels through the driver API (cuLaunchKernelEx), which the profiler does
 # not correlate with the Python range that launched them: such kernels arrive as device events
-# with no CPU parent. Each of ridge's Triton kernels serves exactly one op, so the kernel's name
-# says which (the norm kernel also serves Qwen3's q/k norm, which runs inside qkv's op range).
-TRITON_KERNEL_OPS = {
-    "_rms_norm_kernel": "norm", "_rotary_kernel": "rotary", "_write_kv_kernel": "kv_write",
-    "_silu_and_mul_kernel": "activation", "_prefill_kernel": "attention",
-    "_decode_split_kernel": "attention", "_merge_kernel": "attention",
-}
+# with no CPU parent. A Triton launch hook logs, for each launch, the kernel's name and the op
+# range open on the host; on one stream the k-th device event of a kernel is its k-th launch,
+# which ties each event to its op (one kernel may serve several ops, e.g. the GEMV).
 
-# leaf module name -> op; "mlp" times what its forward does besides its two GEMMs: SiLU-and-mul
+
+# leaf module name -> op
 MODULE_OPS = {
     "embed_tokens": "embed", "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "norm",
-    "qkv_proj": "qkv_proj", "q_norm": "qk_norm", "k_norm": "qk_norm", "rotary": "rotary", "attn": "attention",
-    "o_proj": "o_proj", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj", "mlp": "activation",
+    "qkv_proj": "qkv_proj", "q_norm": "qk_norm", "k_norm": "qk_norm", "attn": "attention",
+    "o_proj": "o_proj", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
+# functions that are ops but not modules: (module, attribute) -> op. SiLU-and-mul runs inside
+# down_proj (Linear.forward(x, act="silu_mul")); where the small-batch GEMV fuses it, it is never
+# called and its cost is folded into down_proj (diagnose).
+FUNCTION_OPS = {("ridge.layers.linear", "silu_and_mul"): "activation"}
 
 
 class Timeline:
@@ -161,9 +163,13 @@ def instrument_runner(runner, tl: Timeline):
         handles.append(module.register_forward_pre_hook(lambda m, args, op=op: tl.push(op)))
         handles.append(module.register_forward_hook(lambda m, args, out, op=op: tl.pop(op)))
         backend = getattr(module, "backend", None)
-        if op == "attention" and dataclasses.is_dataclass(backend) and hasattr(backend, "write_kv"):
-            set_attr(module, "backend", dataclasses.replace(backend, write_kv=tl.wrap("kv_write", backend.write_kv)))
+        if op == "attention" and dataclasses.is_dataclass(backend) and hasattr(backend, "rope_write_kv"):
+            set_attr(module, "backend", dataclasses.replace(
+                backend, rope_write_kv=tl.wrap("rope_kv_write", backend.rope_write_kv)))
     set_attr(model, "compute_logits", tl.wrap("lm_head", model.compute_logits))
+    for (module_name, attr), op in FUNCTION_OPS.items():
+        module = importlib.import_module(module_name)
+        set_attr(module, attr, tl.wrap(op, getattr(module, attr)))
     for name in ("prepare", "decode_inputs", "sampling_batch"):
         if callable(getattr(runner, name, None)):
             set_attr(runner, name, tl.wrap(HOST, getattr(runner, name)))
@@ -206,13 +212,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _attribute(events, device_times: bool, prof=None):
+@contextlib.contextmanager
+def triton_launch_log(tl: Timeline, launches: list[tuple[str, str]]):
+    """While open, append (kernel name, innermost open op label or "") for every Triton launch."""
+    try:
+        from triton import knobs
+    except ImportError:
+        yield
+        return
+    def hook(metadata) -> None:
+        launches.append((metadata.data["name"], tl.stack[-1][0] if tl.stack else ""))
+
+    chain = knobs.runtime.launch_enter_hook     # Triton 3.6: a HookChain (other hooks stay in it)
+    chain.add(hook)
+    try:
+        yield
+    finally:
+        chain.remove(hook)
+
+
+def _attribute(events, device_times: bool, prof=None, launches=()):
     """Per (rep, label): summed kernel durations (s) and kernel counts when `device_times`, else
     counts of top-level torch calls. Each kernel/call goes to the innermost op range around it."""
     times: dict[tuple[int, str], float] = defaultdict(float)
     counts: dict[tuple[int, str], int] = defaultdict(int)
-    if device_times and prof is not None:
-        _attribute_uncorrelated(prof, times, counts)
+    if device_times and prof is not None and launches:
+        _attribute_uncorrelated(prof, times, counts, launches)
     for evt in events:
         if device_times:
             # GPU-side copies of our own ranges (kineto's gpu_user_annotation) are not kernels
@@ -243,10 +268,11 @@ def _attribute(events, device_times: bool, prof=None):
     return times, counts
 
 
-def _attribute_uncorrelated(prof, times, counts) -> None:
-    """Kernels the profiler could not tie to a CPU range (see TRITON_KERNEL_OPS) are dropped
-    from prof.events(), but kineto's raw records keep them: assign each to its op by name, and to
-    the rep that was running on the host when it started (each rep ends with a device sync)."""
+def _attribute_uncorrelated(prof, times, counts, launches: list[tuple[str, str]]) -> None:
+    """Kernels the profiler could not tie to a CPU range (Triton's, see triton_launch_log) are
+    dropped from prof.events(), but kineto's raw records keep them: match each kernel's device
+    events, in start order, to its logged launches, in launch order, which name the op; the rep
+    is the one running on the host when the kernel started (each rep ends with a device sync)."""
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if raw is None:
         return
@@ -258,17 +284,18 @@ def _attribute_uncorrelated(prof, times, counts) -> None:
     def duration_ns(e):
         return e.duration_ns() if hasattr(e, "duration_ns") else e.duration_us() * 1000
 
+    labels: dict[str, deque] = defaultdict(deque)
+    for name, label in launches:
+        labels[name].append(label)
     reps = sorted((start_ns(e), int(e.name()[len(REP_PREFIX):])) for e in events
                   if e.name().startswith(REP_PREFIX) and str(e.device_type()).endswith("CPU"))
-    for e in events:
-        if str(e.device_type()).endswith("CPU"):
-            continue
-        label = next((op for name, op in TRITON_KERNEL_OPS.items() if e.name().startswith(name)), None)
-        if label is None:
-            continue
+    kernels = sorted((e for e in events if not str(e.device_type()).endswith("CPU") and labels.get(e.name())),
+                     key=start_ns)
+    for e in kernels:
+        label = labels[e.name()].popleft()
         t = start_ns(e)
         rep = next((r for lo, r in reversed(reps) if lo <= t), None)
-        if rep is None:
+        if rep is None or not label:
             continue
         times[rep, label] += duration_ns(e) / 1e9
         counts[rep, label] += 1
@@ -305,14 +332,15 @@ def time_step(step_fn: Callable[[Timeline], None], device: torch.device | str, r
             step_reps.append(start.elapsed_time(end) / 1e3)
         # 2. each op's kernels, under the profiler (kernel durations do not depend on it)
         tl = Timeline("profile")
+        launches: list[tuple[str, str]] = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            with install(tl):
+            with install(tl), triton_launch_log(tl, launches):
                 for r in range(reps):
                     with record_function(f"{REP_PREFIX}{r}"):
                         step_fn(tl)
                     _sync(device)
-        times, counts = _attribute(prof.events(), device_times=True, prof=prof)
+        times, counts = _attribute(prof.events(), device_times=True, prof=prof, launches=launches)
         labels = {label for _, label in times} | set(tl.calls)
         for label in labels:
             series = [times.get((r, label), 0.0) for r in range(reps)]
