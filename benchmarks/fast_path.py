@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--kv-cache-memory", type=float, default=None, help="bytes if > 1, else a fraction of free memory")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each decode step's ids back before launching the next step")
+    g.add_argument("--latency-also-sync", action="store_true",
+                   help="(a) also with async scheduling off, same engine (recorded as ridge-sync)")
     g = ap.add_argument_group("(a) latency")
     g.add_argument("--latency-input-len", type=int, default=128)
     g.add_argument("--latency-output-len", type=int, default=256)
@@ -122,7 +126,7 @@ def run_ridge(a, model: str, record) -> None:
     kv = a.kv_cache_memory
     if kv is not None and kv > 1:
         kv = int(kv)
-    extra = dict(enforce_eager=True) if a.enforce_eager else {}
+    extra = dict(enforce_eager=a.enforce_eager, async_scheduling=not a.no_async_scheduling)
     llm = LLM(model, dtype=a.dtype, device=a.device, max_model_len=ridge_max_len(a), max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=kv, seed=a.seed,
               attention_backend=a.attention_backend, show_progress=False, **extra)
@@ -135,6 +139,12 @@ def run_ridge(a, model: str, record) -> None:
             r = run_latency(llm, 1, a.latency_input_len, a.latency_output_len, a.latency_iters, a.latency_warmup,
                             seed=a.seed, temperature=0.0, progress=not a.no_progress)
             record("latency", "ridge", r)
+            if a.latency_also_sync and engine.cfg.async_scheduling:
+                engine.cfg.async_scheduling = False      # read at every step: same engine, same graphs
+                r = run_latency(llm, 1, a.latency_input_len, a.latency_output_len, a.latency_iters,
+                                a.latency_warmup, seed=a.seed, temperature=0.0, progress=not a.no_progress)
+                record("latency", "ridge-sync", r)
+                engine.cfg.async_scheduling = True
         if "throughput" in a.parts:
             n, li, lo = a.throughput_num_prompts, a.throughput_input_len, a.throughput_output_len
             print(f"[ridge] (b) throughput: {n} requests, {li} -> {lo}", flush=True)
@@ -252,6 +262,15 @@ def table(results: dict, a) -> str:
             itl = (r.get("itl_s") or {}).get("median")
             rows.append([name, "(a) ITL median ms / MBU", f(itl and itl * 1e3, ".2f") + " / " + f(r.get("mbu"), ".1%"),
                          "", ""])
+            s = lat.get("ridge-sync")
+            if s:
+                itl = (s.get("itl_s") or {}).get("median")
+                rows.append([name, "(a) async off: decode tok/s, ITL ms / MBU",
+                             f(s.get("decode_tokens_per_s")) + ", " + f(itl and itl * 1e3, ".2f") + " / "
+                             + f(s.get("mbu"), ".1%"), "", ""])
+            env = r.get("env") or {}
+            rows.append([name, "graph capture s / prefill warm-up s",
+                         f(env.get("decode_graph_capture_s")) + " / " + f(env.get("prefill_warm_up_s")), "", ""])
         tp = parts.get("throughput", {})
         if tp:
             r, h = tp.get("ridge", {}), tp.get("hf", {})

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each decode step's tokens back before preparing the next step "
+                        "(default: prepare and launch it while the GPU still runs the previous one)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -28,7 +31,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=kv, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
-                seed=a.seed, enforce_eager=a.enforce_eager)
+                seed=a.seed, enforce_eager=a.enforce_eager, async_scheduling=not a.no_async_scheduling)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -153,3 +153,4 @@ class EngineConfig:
     seed: int
     max_n: int
     enforce_eager: bool = False      # no CUDA graphs for decode (they are CUDA-only anyway)
+    async_scheduling: bool = True    # overlap a decode step's host work with the previous step's GPU work

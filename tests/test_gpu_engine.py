@@ -144,18 +144,21 @@ def test_4_seeded_sampling(llm, big):
 
 
 def test_5_cuda_graphs_change_nothing(big):
-    """Decode replayed from CUDA graphs and run eagerly: token for token the same outputs
+    """Decode replayed from CUDA graphs and run eagerly, each step launched before the previous
+    step's ids are read back (async scheduling) or after: token for token the same outputs
     (greedy and seeded sampling, ragged batch, sizes that fall between graph buckets)."""
     prompts = [prompt_of(n, salt=50 + i) for i, n in enumerate([3, 120, 17, 400, 1, 64, 9, 250, 33, 5, 77])]
     params = [greedy(20 + i) if i % 2 else
               SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=i, max_tokens=25, ignore_eos=True)
               for i in range(len(prompts))]
     results = []
-    for eager in (False, True):
+    for eager, overlap in ((False, True), (True, True), (False, False)):
         engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend="triton", max_model_len=2048,
-                     kv_cache_memory=4 << 30, max_num_seqs=32, show_progress=False, enforce_eager=eager)
+                     kv_cache_memory=4 << 30, max_num_seqs=32, show_progress=False, enforce_eager=eager,
+                     async_scheduling=overlap)
         assert (engine.engine.runner.decode_graphs.graphs != {}) == (not eager)
         results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+        assert (engine.engine.overlapped_steps > 0) == overlap
         del engine
         torch.cuda.empty_cache()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]

@@ -166,6 +166,10 @@ def environment(engine) -> dict:
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=getattr(cfg, "enforce_eager", None), decode_cuda_graphs=len(graphs) if graphs else 0,
+        decode_graph_capture_s=getattr(getattr(runner, "decode_graphs", None), "capture_seconds", None),
+        prefill_warm_up_s=getattr(runner, "warm_up_seconds", None),
+        async_scheduling=getattr(cfg, "async_scheduling", None),
+        overlapped_decode_steps=getattr(engine, "overlapped_steps", None),
     )
 
 

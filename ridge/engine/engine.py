@@ -3,6 +3,15 @@
     step = schedule -> prepare + forward (runner) -> sample -> update
 
 Everything a step calls lives in its own module; this file only wires them together.
+
+Overlapped decode. Reading a step's sampled ids back makes the host wait for the GPU, and the
+next step's host work (scheduling, batch building, launching) then leaves the GPU idle. When a
+decode step needs nothing from the host but its ids (no log-probabilities, no penalties), the
+engine leaves its ids on the GPU (placeholders in the host's token lists, `num_pending`), and
+on the next call first schedules and launches the following decode step, whose input ids are
+gathered on the device, and only then waits for the earlier ids and commits them. A sequence
+that the earlier token finishes (a stop token) has had one extra token computed; it is
+discarded. Sequences the earlier token finishes by length are known in advance and left out.
 """
 from __future__ import annotations
 
@@ -10,6 +19,8 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+
+import torch
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.block_manager import BlockManager
@@ -46,6 +57,8 @@ class Engine:
         self._ids = itertools.count()
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
+        self.inflight: InflightStep | None = None
+        self.overlapped_steps = 0      # decode steps launched before the previous step's ids were read
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -110,9 +123,11 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort_request(req)
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.seqs):
+            self.inflight = None                 # nothing left to commit
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -125,6 +140,8 @@ class Engine:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
         outputs copies each request's lists, which offline callers need not pay every step."""
+        if self.inflight is not None:
+            return self._step_overlapped(finished_only)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_work() and not self.scheduler.running:
@@ -146,7 +163,52 @@ class Engine:
         self._advance(sched)
         seqs, rows = self._fork_samples(sampling)
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
+        if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
+                and all(_overlappable(s.request.params) for s in seqs):
+            self.inflight = self._leave_on_device(seqs, tokens, sched)
+            return []
         return self._update(seqs, tokens.tolist(), info, finished_only)
+
+    def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:
+        """Launch the next decode step if it can be decided now, then commit the in-flight
+        step's ids (the wait for them overlaps the step just launched)."""
+        prev = self.inflight
+        ahead = self._launch_ahead(prev)
+        self.inflight = None
+        outputs = self._update(prev.seqs, self.runner.host_tokens(prev.host, prev.done), None, finished_only,
+                               prev.indices)
+        if ahead is not None:
+            self.overlapped_steps += 1
+            ahead.sched.scheduled = [i for i in ahead.sched.scheduled if not i.seq.is_finished]
+            self._advance(ahead.sched)      # its input tokens are known now: full pages can be hashed
+            self.inflight = ahead
+        return outputs
+
+    def _launch_ahead(self, prev: InflightStep) -> InflightStep | None:
+        """The decode step after `prev`, launched before prev's ids are on the host: only when
+        prev's sequences are all that runs and nothing waits (admissions and preemptions need the
+        regular schedule), and without the sequences prev's token ends by length."""
+        live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]
+        if self.scheduler.waiting or not live or len(live) != len(self.scheduler.running):
+            return None
+        max_len = self.cfg.max_model_len
+        seqs = [s for s in live if s.num_output_tokens < s.request.max_tokens and s.num_tokens < max_len]
+        sched = self.scheduler.schedule_decode(seqs) if seqs else None
+        if sched is None:
+            return None
+        row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        fwd = self.runner.execute(sched, (prev.tokens, [row[s.seq_id] for s in seqs]))
+        tokens, _ = self.runner.sample(fwd.logits, seqs, self.eos_ids)
+        return self._leave_on_device(seqs, tokens, sched)
+
+    def _leave_on_device(self, seqs: list[Sequence], tokens: torch.Tensor, sched: SchedulerOutput) -> InflightStep:
+        host, done = self.runner.tokens_to_host(tokens)
+        indices = []
+        for seq in seqs:
+            indices.append(len(seq.token_ids))
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+        return InflightStep(seqs, tokens, host, done, indices, sched)
 
     def _advance(self, sched: SchedulerOutput) -> None:
         """The step's tokens are now in the cache: count them, and offer newly full pages."""
@@ -170,41 +232,56 @@ class Engine:
                         rows.append(row)
         return seqs, rows
 
-    def _update(self, seqs: list[Sequence], tokens: list[int], info, finished_only: bool) -> list[RequestOutput]:
+    def _update(self, seqs: list[Sequence], tokens: list[int], info, finished_only: bool,
+                indices: list[int] | None = None) -> list[RequestOutput]:
+        """Commit sampled tokens: appended, or with `indices` written over the placeholders at
+        those positions (an overlapped step; a sequence finished meanwhile is skipped)."""
         touched = {}
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             req = seq.request
+            if indices is None:
+                seq.token_ids.append(tok)
+                length = len(seq.token_ids)
+            else:
+                if seq.is_finished:
+                    continue
+                seq.token_ids[indices[i]] = tok
+                seq.num_pending -= 1
+                length = indices[i] + 1
             req.first_token_time = req.first_token_time or now
-            seq.token_ids.append(tok)
             if seq.logprobs is not None:
                 seq.logprobs.append(self._logprob_entry(info, i, tok, req.params.logprobs))
-            reason = self._finish_reason(seq, tok)
+            reason = self._finish_reason(seq, tok, length)
             if reason is not None:
+                del seq.token_ids[length:]          # a later step's placeholder, if one was launched
+                seq.num_pending = 0
                 self.scheduler.finish(seq, reason)
             touched[req.request_id] = req
-        self.generation_tokens += len(tokens)
+            self.generation_tokens += 1
         for req in touched.values():
             if req.is_finished:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
         return [RequestOutput.of(r) for r in touched.values() if not finished_only or r.is_finished]
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, tok: int, length: int) -> str | None:
+        """Why `tok`, the sequence's token number `length`, ends it (None: it does not)."""
         params = seq.request.params
+        num_output = length - seq.num_prompt_tokens
         if tok in (params.stop_token_ids or []) or (not params.ignore_eos and tok in self.eos_ids):
             return "stop"     # min_tokens is enforced by banning these tokens until then
         if seq.detokenizer is not None:
             before = len(seq.text)
             seq.text += self.detokenizer.step(seq.detokenizer, tok)
-            if params.stop_strings and seq.num_output_tokens >= params.min_tokens:
+            if params.stop_strings and num_output >= params.min_tokens:
                 # a stop string can only end inside the new piece: search from just before it
                 start = max(0, before - max(map(len, params.stop_strings)) + 1)
                 hits = [i for s in params.stop_strings if (i := seq.text.find(s, start)) >= 0]
                 if hits:
                     seq.text = seq.text[:min(hits)]
                     return "stop"
-        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+        if num_output >= seq.request.max_tokens or length >= self.cfg.max_model_len:
             return "length"
         return None
 
@@ -216,6 +293,26 @@ class Engine:
             for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):
                 entry.setdefault(t, Logprob(v, r, decode(t)))
         return entry
+
+
+PENDING = -1    # a token id still on the GPU
+
+
+@dataclass
+class InflightStep:
+    """A decode step whose sampled ids have not been read back yet."""
+    seqs: list[Sequence]              # one per sampled row
+    tokens: torch.Tensor              # [rows] int64 on the device: the next step's inputs
+    host: torch.Tensor                # their host copy, valid once `done` has completed
+    done: object                      # torch.cuda.Event, or None where the copy is synchronous
+    indices: list[int]                # the token_ids index each row's id fills
+    sched: SchedulerOutput            # advanced (pages registered) once the ids before it are known
+
+
+def _overlappable(params: SamplingParams) -> bool:
+    """Sampling that needs no host-side token history or per-token results."""
+    return (params.logprobs is None and not params.presence_penalty and not params.frequency_penalty
+            and params.repetition_penalty == 1.0)
 
 
 def _sample_seed(base: int, index: int) -> int:

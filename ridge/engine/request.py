@@ -44,6 +44,9 @@ class Sequence:
     text: str = ""
     detokenizer: object = None
     prompt_logprobs: list[float | None] | None = None   # by position; position 0 has none
+    # Trailing entries of token_ids that are placeholders for ids sampled by a step still on the
+    # GPU (the engine's overlapped decode); they count as tokens for scheduling and sampling.
+    num_pending: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -56,6 +59,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """Output ids whose values are on the host (pending placeholders left out)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:
@@ -111,7 +119,7 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
-        outs = [CompletionOutput(s.sample_index, s.text, list(s.output_token_ids), s.finish_reason,
+        outs = [CompletionOutput(s.sample_index, s.text, s.known_output_token_ids, s.finish_reason,
                                  list(s.logprobs) if s.logprobs is not None else None) for s in req.seqs]
         prompt_lps = req.seqs[0].prompt_logprobs
         return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished,

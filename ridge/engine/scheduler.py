@@ -87,6 +87,21 @@ class Scheduler:
         out.block_copies = self.blocks.take_pending_copies()
         return out
 
+    def schedule_decode(self, seqs: list[Sequence]) -> SchedulerOutput | None:
+        """One decode token for each of `seqs`, decided while the previous step's sampled ids are
+        still on the GPU (the engine's overlapped decode). No preemption and no admission here:
+        if the budget or the pool falls short, None, and the regular schedule() decides once the
+        previous step is known."""
+        if len(seqs) > self.max_num_batched_tokens or \
+                sum(self.blocks.blocks_needed(s, 1) for s in seqs) > self.blocks.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            self.blocks.allocate(seq, 1)
+            out.scheduled.append(ScheduledSeq(seq, 1))
+        out.block_copies = self.blocks.take_pending_copies()
+        return out
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]

@@ -9,6 +9,8 @@ sequences replays the smallest bucket >= n, its padding rows marked empty (no qu
 they neither read nor write the cache). Graphs replay fixed addresses, so every input lives in a
 static buffer that the step fills in place; the whole step is two host->device copies (one
 int64 and one int32 staging buffer, pinned) and one replay. The logits buffer is static too.
+When the engine launches a step before the previous step's sampled ids reached the host (async
+scheduling), one gather on the device fills the input ids from those ids.
 
 The attention kernels' launch parameters (split count, tiles) are fixed at capture for the
 longest context, max_model_len; the split kernel divides each sequence's actual length among
@@ -56,14 +58,18 @@ class DecodeGraphs:
         self.max_pages = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
         B, P = self.max_bs, self.max_pages
-        # int64 staging: [input_ids | positions | slots]; int32: [query_start_loc (B+1) | seq_lens | tables]
+        # int64 staging: [input_ids | positions | slots | source rows of ids still on the device];
+        # int32: [query_start_loc (B+1) | seq_lens | tables]. Two pinned sets, used in turn: with
+        # the engine's overlapped decode, step N+1 is staged while step N's copies may still be
+        # queued behind the GPU's work, but by step N+2 the engine has waited for step N.
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = self.host32[2 * B + 1:].view(B, P).numpy()
-        self.dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self.host64 = [torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host32 = [torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.host_tables = [h[2 * B + 1:].view(B, P).numpy() for h in self.host32]
+        self.turn = 0
+        self.dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slots = self.dev64.view(3, B)
+        self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
         self.query_start_loc = self.dev32[:B + 1]
         self.seq_lens = self.dev32[B + 1:2 * B + 1]
         self.block_tables = self.dev32[2 * B + 1:].view(B, P)
@@ -115,13 +121,23 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, step: DecodeInputs) -> torch.Tensor:
-        """Fill the static inputs for n sequences and replay; returns logits [n, vocab]."""
+    def run(self, step: DecodeInputs, previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Fill the static inputs for n sequences and replay; returns logits [n, vocab].
+
+        With `previous` = (device tensor of the last step's sampled ids, row of each of this
+        step's inputs in it), the input ids are gathered on the device: the host has not seen
+        them yet (step.input_ids holds placeholders there)."""
         n = len(step.input_ids)
         bs = self.bucket_for(n)
         B, P = self.max_bs, self.max_pages
-        h64, h32 = self.host64, self.host32
-        h64[:n] = torch.tensor(step.input_ids, dtype=torch.int64)
+        h64, h32, tables = self.host64[self.turn], self.host32[self.turn], self.host_tables[self.turn]
+        self.turn ^= 1
+        if previous is None:
+            if n and min(step.input_ids) < 0:
+                raise RuntimeError("decode step: an input id is still pending on the device")
+            h64[:n] = torch.tensor(step.input_ids, dtype=torch.int64)
+        else:
+            h64[3 * B:3 * B + n] = torch.tensor(previous[1], dtype=torch.int64)
         h64[B:B + n] = torch.tensor(step.positions, dtype=torch.int64)
         h64[2 * B:2 * B + n] = torch.tensor(step.slots, dtype=torch.int64)
         h64[2 * B + n:2 * B + bs] = -1                      # padding rows write nowhere
@@ -130,14 +146,13 @@ class DecodeGraphs:
         h32[n + 1:bs + 1] = n
         h32[B + 1:B + 1 + n] = torch.tensor(step.seq_lens, dtype=torch.int32)
         h32[B + 1 + n:B + 1 + bs] = 1
-        tables = self.host_tables          # numpy view of the pinned buffer: cheap row writes
-        for i, t in enumerate(step.block_tables):
+        for i, t in enumerate(step.block_tables):     # numpy view of the pinned buffer: cheap row writes
             tables[i, :len(t)] = t
-        # The previous step's copies finished before its tokens were read back, so the pinned
-        # staging buffers are free to reuse.
         self.dev64.copy_(h64, non_blocking=True)
         rows = 2 * B + 1 + bs * P                          # only the rows this bucket reads
         self.dev32[:rows].copy_(h32[:rows], non_blocking=True)
+        if previous is not None:
+            torch.index_select(previous[0], 0, self.source_rows[:n], out=self.input_ids[:n])
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.logits[bs][:n]

@@ -7,6 +7,8 @@ Host-side lists are built first and moved to the device in one copy each.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,8 @@ from ridge.layers.sampler import SamplingBatch, sample
 from ridge.models.loader import load_model
 
 
+log = logging.getLogger("ridge")
+
 # rows of prompt logits turned into log-probabilities at a time: bounds the [rows, vocab] buffer
 _SCORE_ROWS = 1024
 
@@ -28,6 +32,7 @@ _SCORE_ROWS = 1024
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor                        # [rows that sample, vocab] float32
+    static_decode: bool = False                 # served by the static decode path (graph replay)
     # (sequence, prompt positions, log p(token at position | tokens before)) for scoring requests
     prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
 
@@ -53,6 +58,12 @@ class ModelRunner:
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress)
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.warm_up_seconds = 0.0
+        # Pinned landing buffers and events for sampled ids read back without waiting
+        # (tokens_to_host), allocated once: the engine has at most two decode steps' ids in
+        # flight (the one being committed and the one launched ahead), so two, used in turn.
+        self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._landing_turn = 0
 
     def kv_bytes_per_block(self) -> int:
         m = self.model_cfg
@@ -77,6 +88,29 @@ class ModelRunner:
             self.decode_graphs.capture()
         else:
             self.decode_graphs.fill_idle()
+
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """Run one throwaway prefill so the first request does not pay for compiling and
+        autotuning the prefill path (seconds on a GPU). The prefill kernel's autotuner times its
+        configs on the first shape it sees and keeps the winner for every later shape, so the
+        warm-up chunk is a typical large one. Slot -1: nothing is written to the cache."""
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        t0 = time.perf_counter()
+        n = max(2, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len, 2048))
+        ids = torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-n // self.cfg.block_size), dtype=torch.int32, device=self.device),
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+        hidden = self.model(ids, torch.arange(n, device=self.device), self.layer_caches, meta)
+        self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        self.warm_up_seconds = time.perf_counter() - t0
+        log.info("prefill warm-up (%d tokens) in %.1f s", n, self.warm_up_seconds)
 
     # -- batch preparation ----------------------------------------------------------------------
     def decode_inputs(self, sched: SchedulerOutput) -> DecodeInputs | None:
@@ -141,13 +175,20 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ForwardOutput:
+    def execute(self, sched: SchedulerOutput,
+                previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
-        for requests that score their prompt."""
+        for requests that score their prompt.
+
+        `previous` = (sampled ids of the step before, still on the device; for each row of this
+        step the index of its input id in there): the overlapped decode, scheduled before those
+        ids reached the host. Only the static decode path takes its input ids from the device."""
         self.copy_blocks(sched.block_copies)
         decode = self.decode_inputs(sched)
         if decode is not None:
-            return ForwardOutput(self.decode_graphs.run(decode))
+            return ForwardOutput(self.decode_graphs.run(decode, previous), static_decode=True)
+        if previous is not None:
+            raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         rows = self.to_device(sample_rows, torch.int64)
@@ -170,6 +211,30 @@ class ModelRunner:
                 values += logp.gather(1, tgt).squeeze(1).tolist()
             out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
         return out
+
+    def tokens_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying sampled ids to pinned host memory without waiting; the event marks
+        when the copy (and so the step) is done. On a CPU the ids are already on the host."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        n = tokens.numel()
+        if not self._landing or self._landing[0][0].numel() < n or self._landing[0][0].dtype != tokens.dtype:
+            size = max(n, self.cfg.max_num_seqs)
+            self._landing = [(torch.empty(size, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event())
+                             for _ in range(2)]
+        buf, done = self._landing[self._landing_turn]
+        self._landing_turn ^= 1
+        host = buf[:n].view(tokens.shape)
+        host.copy_(tokens, non_blocking=True)
+        done.record()
+        return host, done
+
+    @staticmethod
+    def host_tokens(host: torch.Tensor, done: torch.cuda.Event | None) -> list[int]:
+        """The ids of tokens_to_host, once the copy has landed (waits for it)."""
+        if done is not None:
+            done.synchronize()
+        return host.tolist()
 
     # -- sampling -------------------------------------------------------------------------------
     @torch.inference_mode()
