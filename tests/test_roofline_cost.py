@@ -1,4 +1,5 @@
 """The roofline cost model against numbers worked out by hand, and against the checkpoints."""
+import dataclasses
 import json
 import os
 
@@ -8,7 +9,7 @@ from ridge.config import ModelConfig
 from ridge.roofline.ceilings import Ceilings
 from ridge.roofline.cost_model import (OPS, PRECISIONS, StepShape, attention_keys_read, attention_pairs,
                                        kv_bytes_per_token, parameter_bytes, step_costs)
-from ridge.roofline.predict import predict, predicted_step_s, step_utilization
+from ridge.roofline.predict import launch_floor_s, predict, predicted_step_s, step_utilization
 
 # hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 512, untied, no biases
 SMALL = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -152,6 +153,14 @@ def test_prediction_and_utilization_by_hand():
     costs = step_costs(cfg, shape)
     floor = sum(max(c.flops / ceil.peak(c.compute), c.bytes / ceil.bandwidth) for c in costs)
     assert predicted_step_s(cfg, ceil, shape) == pytest.approx(floor)
+    # + one launch floor (the graph figure, 1 us here) per op call: the cost model's kernel count
+    calls = sum(c.calls for c in costs)
+    # embed, 2 norms a layer + the final one, then per layer (2 layers) qkv, rope_kv_write,
+    # attention, o_proj, gate_up, activation, down; lm_head; sampling
+    assert calls == 1 + (2 * 2 + 1) + 2 * 7 + 1 + 1
+    assert predicted_step_s(cfg, ceil, shape, with_launches=True) == pytest.approx(floor + calls * 1e-6)
+    assert launch_floor_s(ceil) == 1e-6
+    assert launch_floor_s(dataclasses.replace(ceil, graph_launch=None)) == 5e-6   # eager where no graph figure
     # tiny decode: every op is on the memory side, so the floor is bytes / bandwidth
     assert floor == pytest.approx(sum(c.bytes for c in costs) / 1e12)
     flops = 3072 + 65536 + 1152 + 10240 + 32768 + 131072 + 2560 + 65536 + 131072 + 1024

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ridge.roofline.ceilings import Ceilings
 from ridge.roofline.cost_model import GEMM_OPS, OpCost, StepShape
+from ridge.roofline.predict import launch_floor_s, launches_s
 
 # A kernel must last at least two launch overheads for the launching side to stay ahead of the
 # device: between launches the host also runs the engine's Python (module calls, views), so at
@@ -86,6 +87,7 @@ class StepReport:
     mfu: float
     mbu: float
     predicted_s: float                   # the sum of the ops' roofline times
+    predicted_launches_s: float          # predicted_s + one launch floor per kernel (predict.launches_s)
     label: str
     rows: list[OpRow]
     advice: list[str] = field(default_factory=list)
@@ -269,14 +271,18 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     if name == "decode" and buckets["memory-bound"] >= 0.3 * step and batch < 32:
         advice.append(f"decode at batch {batch} streams every weight per step for {batch} token(s): "
                       "larger batches raise tokens/s almost for free until the GEMMs turn compute-bound")
+    with_launches = predicted + launches_s(costs, ceilings)
     advice.append(f"judge {name} by {'MBU' if name == 'decode' else 'MFU'}: "
                   f"MBU {mbu:.1%}, MFU {mfu:.1%}; the roofline floor of this step is {_fmt_time(predicted)} "
-                  f"({predicted / step:.0%} of the measured {_fmt_time(step)})")
+                  f"({predicted / step:.0%} of the measured {_fmt_time(step)}), "
+                  f"{_fmt_time(with_launches)} with {sum(c.calls for c in costs)} kernels at the measured "
+                  f"{_fmt_time(launch_floor_s(ceilings))} launch floor each ({with_launches / step:.0%})")
     title = (f"{name} batch {batch}, context {context}" if name == "decode" else
              f"{name} batch {batch} x {query_len} tokens")
     return StepReport(name=name, title=title, batch=batch, context=context, query_len=query_len,
                       tokens=shape.num_tokens, step_time_s=step, ops_time_s=ops_time, host_time_s=host,
                       other_time_s=other, idle_time_s=idle, idle_fraction=idle_share, flops=flops, bytes=nbytes,
                       weight_bytes=sum(c.weight_bytes for c in costs), kv_bytes=sum(c.kv_bytes for c in costs),
-                      mfu=mfu, mbu=mbu, predicted_s=predicted, label=label, rows=rows, advice=advice,
+                      mfu=mfu, mbu=mbu, predicted_s=predicted,
+                      predicted_launches_s=with_launches, label=label, rows=rows, advice=advice,
                       first_target=first, notes=notes, step_reps_s=list(timing.step_reps_s), cuda_graph=graph)

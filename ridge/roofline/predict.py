@@ -2,9 +2,13 @@
 roofline, for batch sizes, context lengths and precisions the user has not run.
 
 Each op is assumed to run at its roof (max(FLOPs / peak, bytes / bandwidth)) and the ops run
-back to back with no gaps: the floor a fused, graph-captured engine approaches. The decode row
-names the term that dominates it (weights, KV cache, compute or activations), and the KV budget
-gives the largest batch whose pages fit.
+back to back with no gaps: the floor a fused, graph-captured engine approaches. Beside it, the
+same with one launch floor per kernel added (the cost model counts one kernel per op call): the
+measured time per dependent trivial kernel inside a replayed CUDA graph. A batch-1 decode step
+of an 8B model is ~300 dependent kernels, so that term is ~0.3 ms of a ~4 ms floor, and the
+"prediction" of a real step is the floor plus it. The decode row names the term that dominates
+the floor (weights, KV cache, compute or activations), and the KV budget gives the largest batch
+whose pages fit.
 """
 from __future__ import annotations
 
@@ -26,9 +30,22 @@ def op_ideal_s(cost: OpCost, ceilings: Ceilings) -> float:
     return max(cost.flops / ceilings.peak(cost.compute), cost.bytes / ceilings.bandwidth)
 
 
-def predicted_step_s(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape) -> float:
-    """The roofline floor of one step: each op at its roof, no gaps."""
-    return sum(op_ideal_s(c, ceilings) for c in step_costs(cfg, shape))
+def launch_floor_s(ceilings: Ceilings) -> float:
+    """The least a kernel of a step costs beyond its roofline time: the measured time per
+    dependent trivial kernel in a replayed CUDA graph, else (not measured) per eager launch."""
+    return ceilings.graph_launch or ceilings.launch_overhead
+
+
+def launches_s(costs: list[OpCost], ceilings: Ceilings) -> float:
+    """One launch floor per kernel, counting one kernel per op call."""
+    return sum(c.calls for c in costs) * launch_floor_s(ceilings)
+
+
+def predicted_step_s(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape, with_launches: bool = False) -> float:
+    """The roofline floor of one step: each op at its roof, no gaps; with_launches adds one
+    launch floor per kernel (launches_s)."""
+    costs = step_costs(cfg, shape)
+    return sum(op_ideal_s(c, ceilings) for c in costs) + (launches_s(costs, ceilings) if with_launches else 0.0)
 
 
 def step_utilization(model_cfg: ModelConfig, ceilings: Ceilings, shape: StepShape,
@@ -72,8 +89,9 @@ class PredictionRow:
     context: int
     prefill_s: float              # prefill of `batch` prompts of `context` tokens, one step
     prefill_tok_s: float
-    decode_s: float               # one decode step of `batch` sequences at `context`
+    decode_s: float               # one decode step of `batch` sequences at `context` (the floor)
     decode_tok_s: float
+    decode_launches_s: float      # decode_s plus one launch floor per kernel
     decode_bound: str             # the term that dominates the decode step
     kv_bytes_per_seq: float
     max_batch: int                # sequences of `context` tokens that fit the KV budget
@@ -97,6 +115,7 @@ def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, conte
                 pre = predicted_step_s(cfg, ceilings, StepShape.prefill(b, ctx, p, greedy))
                 dshape = StepShape.decode(b, ctx, p, greedy)
                 dec = predicted_step_s(cfg, ceilings, dshape)
-                rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec,
+                dec_launches = predicted_step_s(cfg, ceilings, dshape, with_launches=True)
+                rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec, dec_launches,
                                           decode_bound(cfg, ceilings, dshape), per_seq, max_batch, b <= max_batch))
     return rows

@@ -100,7 +100,7 @@ def step_summary_line(s: StepReport) -> str:
     return (f"step {_fmt_s(s.step_time_s)}: ops {_fmt_s(s.ops_time_s)}, host prep {_fmt_s(s.host_time_s)}, "
             + (f"other kernels {_fmt_s(s.other_time_s)}, " if s.other_time_s else "")
             + f"idle {_fmt_s(s.idle_time_s)} ({s.idle_fraction:.0%}) | MBU {s.mbu:.1%}, MFU {s.mfu:.1%} | "
-            f"roofline floor {_fmt_s(s.predicted_s)} | {s.label}")
+            f"roofline floor {_fmt_s(s.predicted_s)}, + launches {_fmt_s(s.predicted_launches_s)} | {s.label}")
 
 
 def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str:
@@ -112,11 +112,11 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str
 
 def _prediction_cells(p: PredictionRow) -> list[str]:
     return [p.precision, str(p.context), str(p.batch), _fmt_s(p.prefill_s), f"{p.prefill_tok_s:,.0f}",
-            _fmt_s(p.decode_s), f"{p.decode_tok_s:,.0f}", p.decode_bound, str(p.max_batch), "yes" if p.fits else "no"]
+            _fmt_s(p.decode_s), f"{p.decode_tok_s:,.0f}", _fmt_s(p.decode_launches_s), p.decode_bound, str(p.max_batch), "yes" if p.fits else "no"]
 
 
 _PRED_COLS = ["precision", "context", "batch", "prefill", "prefill tok/s", "decode step", "decode tok/s",
-              "decode bound by", "max batch", "fits"]
+              "decode + launches", "decode bound by", "max batch", "fits"]
 
 
 def format_terminal(rep: Report) -> str:
@@ -139,7 +139,8 @@ def format_terminal(rep: Report) -> str:
                 if r.advice and r.share >= 0.05]
         out += [f"  note: {n}" for n in s.notes]
     if rep.predictions:
-        out += ["", "prediction: each op at its measured roof, no gaps"
+        out += ["", "prediction: each op at its measured roof, no gaps (+ launches: one measured launch floor "
+                "per kernel)"
                 + (f"; KV budget {rep.kv_budget_bytes / 1e9:.3g} GB" if rep.kv_budget_bytes else ""),
                 _table(_PRED_COLS, [_prediction_cells(p) for p in rep.predictions])]
     out += [f"note: {n}" for n in rep.notes]
@@ -152,6 +153,7 @@ def to_json(rep: Report) -> dict:
     for s in rep.steps:
         summary = {k: v for k, v in asdict(s).items() if k not in ("rows", "advice", "first_target", "notes")}
         summary["floor_fraction"] = s.predicted_s / s.step_time_s     # roofline floor / measured step
+        summary["prediction_fraction"] = s.predicted_launches_s / s.step_time_s   # floor + launches / measured
         rows = []
         for r in s.rows:
             d = asdict(r)
@@ -209,7 +211,8 @@ def to_markdown(rep: Report, image: str | None = "roofline.png") -> str:
         out += [f"- note: {n}" for n in s.notes]
     if rep.predictions:
         out += ["", "## Prediction", "", "Each op at its measured roof, no gaps between them (the floor a fused, "
-                "graph-captured engine approaches)"
+                "graph-captured engine approaches); \"decode + launches\" adds one measured launch floor "
+                "per kernel (a dependent trivial kernel in a replayed CUDA graph)"
                 + (f"; KV budget {rep.kv_budget_bytes / 1e9:.3g} GB." if rep.kv_budget_bytes else "."), "",
                 _md_table(_PRED_COLS, [_prediction_cells(p) for p in rep.predictions])]
     out += [f"- note: {n}" for n in rep.notes]
