@@ -29,8 +29,10 @@ comes last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
+import importlib
 import importlib.util
 import os
 import statistics
@@ -44,6 +46,10 @@ from ridge.bench.common import device_name, format_table, sync, write_json  # no
 from ridge.bench.datasets import BenchRequest, RandomPrompts, special_token_ids, synthetic_requests  # noqa: E402
 
 PARTS = ("latency", "throughput", "workload")
+# opt-in decode levers not yet on by default: (module, switch) each variant turns on
+VARIANTS = {"pdl": (("ridge.kernels.pdl", "ENABLED"),),
+            "fuse_norm": (("ridge.layers.norm", "FUSE_INTO_PROJECTION"),),
+            "pdl+fuse_norm": (("ridge.kernels.pdl", "ENABLED"), ("ridge.layers.norm", "FUSE_INTO_PROJECTION"))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="read each decode step's ids back before launching the next step")
     g.add_argument("--latency-also-sync", action="store_true",
                    help="(a) also with async scheduling off, same engine (recorded as ridge-sync)")
+    g.add_argument("--latency-variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                   help="(a) again with these switches on, decode graphs re-captured in the same engine "
+                        "(recorded as ridge-VARIANT): pdl = programmatic dependent launch, fuse_norm = the "
+                        "layer norms computed inside the GEMVs they feed")
     g = ap.add_argument_group("(a) latency")
     g.add_argument("--latency-input-len", type=int, default=128)
     g.add_argument("--latency-output-len", type=int, default=256)
@@ -118,6 +128,21 @@ def ridge_max_len(a) -> int:
     return max(need)
 
 
+@contextlib.contextmanager
+def switched_on(switches):
+    """Set each (module, attribute) switch to True for the duration, then restore it."""
+    saved = []
+    try:
+        for module_name, attr in switches:
+            module = importlib.import_module(module_name)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, True)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+
+
 def run_ridge(a, model: str, record) -> None:
     from ridge import LLM
     from ridge.bench.latency import run_latency
@@ -145,6 +170,14 @@ def run_ridge(a, model: str, record) -> None:
                                 a.latency_warmup, seed=a.seed, temperature=0.0, progress=not a.no_progress)
                 record("latency", "ridge-sync", r)
                 engine.cfg.async_scheduling = True
+            for variant in a.latency_variants:
+                with switched_on(VARIANTS[variant]):
+                    engine.runner.setup_decode(use_graphs=not a.enforce_eager)   # capture with the switches on
+                    r = run_latency(llm, 1, a.latency_input_len, a.latency_output_len, a.latency_iters,
+                                    a.latency_warmup, seed=a.seed, temperature=0.0, progress=not a.no_progress)
+                record("latency", f"ridge-{variant}", r)
+            if a.latency_variants:
+                engine.runner.setup_decode(use_graphs=not a.enforce_eager)       # back to the defaults
         if "throughput" in a.parts:
             n, li, lo = a.throughput_num_prompts, a.throughput_input_len, a.throughput_output_len
             print(f"[ridge] (b) throughput: {n} requests, {li} -> {lo}", flush=True)
@@ -262,12 +295,13 @@ def table(results: dict, a) -> str:
             itl = (r.get("itl_s") or {}).get("median")
             rows.append([name, "(a) ITL median ms / MBU", f(itl and itl * 1e3, ".2f") + " / " + f(r.get("mbu"), ".1%"),
                          "", ""])
-            s = lat.get("ridge-sync")
-            if s:
-                itl = (s.get("itl_s") or {}).get("median")
-                rows.append([name, "(a) async off: decode tok/s, ITL ms / MBU",
-                             f(s.get("decode_tokens_per_s")) + ", " + f(itl and itl * 1e3, ".2f") + " / "
-                             + f(s.get("mbu"), ".1%"), "", ""])
+            for key, label in [("ridge-sync", "async off"), *((f"ridge-{v}", v) for v in a.latency_variants)]:
+                s = lat.get(key)
+                if s:
+                    itl = (s.get("itl_s") or {}).get("median")
+                    rows.append([name, f"(a) {label}: decode tok/s, ITL ms / MBU",
+                                 f(s.get("decode_tokens_per_s")) + ", " + f(itl and itl * 1e3, ".2f") + " / "
+                                 + f(s.get("mbu"), ".1%"), "", ""])
             env = r.get("env") or {}
             rows.append([name, "graph capture s / prefill warm-up s",
                          f(env.get("decode_graph_capture_s")) + " / " + f(env.get("prefill_warm_up_s")), "", ""])

@@ -4,10 +4,12 @@
 # $OUT (the device tool brings back at most 8 files):
 #   kernels     pytest -m gpu on every kernel's test file (attention, fused, gemv, rope+kv write, PDL)
 #   attention   benchmarks/attention.py (prefill and decode vs SDPA / Flex)
-#   decode      benchmarks/attention.py --only decode, B=1 split sweep (fused vs two-kernel merge)
+#   decode      benchmarks/attention.py --only decode, with and without PDL; SPLITS="32 64 128" adds
+#               a B=1 split-count sweep
 #   gemv        benchmarks/gemv.py (ridge's small-batch GEMV vs cuBLAS at the 8B / 0.6B shapes)
 #   fused       benchmarks/fused_kernels.py
-#   latency     benchmarks/fast_path.py (a) on the 8B shape, async scheduling on and off, PDL on and off
+#   latency     benchmarks/fast_path.py (a) on the 8B shape: default, async scheduling off, and the
+#               opt-in levers (PDL, norms fused into the GEMVs, both), graphs re-captured per variant
 #   fastpath    benchmarks/fast_path.py (a)-(c) on the 8B shape, HF transformers in the same run
 #   engine      pytest -m gpu tests/test_gpu_engine.py (transformers parity, graphs on / off)
 #   roofline    pytest -m gpu tests/test_roofline.py and `ridge roofline` on the 8B shape
@@ -31,7 +33,7 @@ if has attention; then
   timeout 240 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/run.log" | tail -20
 fi
 if has decode; then
-  timeout 200 python3 benchmarks/attention.py --only decode --splits-sweep ${SPLITS:-32 48 64 96 128} --sweep-b1-only \
+  timeout 200 python3 benchmarks/attention.py --only decode ${SPLITS:+--splits-sweep $SPLITS --sweep-b1-only} \
     --json "$OUT/attention_decode.json" 2>&1 | tee -a "$OUT/run.log" | tail -24
 fi
 if has gemv; then
@@ -42,11 +44,9 @@ if has fused; then
 fi
 wait
 if has latency; then
-  for pdl in ${LATENCY_PDL:-0 1}; do   # with and without programmatic dependent launch
-    RIDGE_PDL=$pdl timeout 200 python3 benchmarks/fast_path.py --model "$CKPT" --only latency --no-hf --no-progress \
-      --latency-also-sync --max-num-seqs ${MAX_SEQS:-256} --json "$OUT/latency_8b_pdl$pdl.json" 2>&1 \
-      | grep -v -i warn | tee -a "$OUT/run.log" | tail -7
-  done
+  timeout 300 python3 benchmarks/fast_path.py --model "$CKPT" --only latency --no-hf --no-progress --latency-also-sync \
+    --latency-variants ${VARIANTS:-pdl fuse_norm pdl+fuse_norm} --max-num-seqs ${MAX_SEQS:-256} \
+    --json "$OUT/latency_8b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -10
 fi
 if has fastpath; then
   timeout 500 python3 benchmarks/fast_path.py --model "$CKPT" --no-progress ${FASTPATH_ARGS:-} \

@@ -159,6 +159,99 @@ def test_heuristic_configs():
         gk._INTERPRET = interp
 
 
+# ------------------------------------------------------------------ act="rms_norm" (RIDGE_FUSE_NORM)
+@interpreted
+@pytest.mark.parametrize("path", ["fma", "dot"])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_rms_norm_matches_the_unfused_kernels(M, dtype, with_residual, path):
+    """The norm computed inside the GEMV: the residual sum written by program 0 exactly as the
+    RMSNorm kernel writes it, and the product equal to RMSNorm then the GEMV up to the rms (its
+    sum of squares is added in another order: a flipped rounding of a normalised element at most)."""
+    from ridge.kernels.rmsnorm import rms_norm
+    N, K = 72, 200
+    g = gen(7 * M + with_residual)
+    x = (2 * torch.randn(M, K, generator=g)).to(dtype)
+    res = (2 * torch.randn(M, K, generator=g)).to(dtype) if with_residual else None
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    cfg = FMA if path == "fma" else DOT
+    res_out = torch.full((M, K), float("nan"), dtype=dtype) if with_residual else None
+    y = gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res, residual_out=res_out, config=cfg)
+    if with_residual:
+        h, expect_res = rms_norm(x, nw, 1e-5, res)
+        assert torch.equal(res_out, expect_res)
+    else:
+        h = rms_norm(x, nw, 1e-5)
+    unfused = gemv(h, w, config=cfg)
+    tol = 2.0**-6 if dtype == BF16 else 1e-5
+    torch.testing.assert_close(y, unfused, atol=tol, rtol=tol)
+    ref = gemv_ref(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res)
+    torch.testing.assert_close(y.float(), ref.float(), atol=4 * tol, rtol=4 * tol)
+
+
+@interpreted
+def test_gemv_rms_norm_rejects_bad_arguments():
+    x, w, nw = torch.randn(1, 32), torch.randn(16, 32), torch.randn(32)
+    r = torch.randn(1, 32)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, act="rms_norm")
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, act="rms_norm", norm_weight=torch.randn(31))
+    with pytest.raises(ValueError, match="together"):
+        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r)
+    with pytest.raises(ValueError, match="buffer of its own"):
+        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r, residual_out=r)
+    with pytest.raises(ValueError, match="residual_out"):
+        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r, residual_out=torch.empty(2, 32))
+    with pytest.raises(ValueError, match="go with act"):
+        gemv(x, w, norm_weight=nw)
+
+
+@interpreted
+def test_decoder_layer_with_norms_fused_into_its_projections(monkeypatch):
+    """RIDGE_FUSE_NORM's wiring, on CPU tensors through the interpreter: each layer norm hands a
+    PendingNorm to its projection, which computes it inside the GEMV; hidden state and residual
+    match the unfused layer to fp32 rounding (the rms's sum is added in another order)."""
+    from ridge.layers import norm as norm_mod
+    from ridge.layers.attention import TORCH_BACKEND
+    from ridge.layers.rotary import RotaryEmbedding
+    from ridge.models.llama import LlamaDecoderLayer
+    from ridge.config import ModelConfig
+    from ridge.kernels.attention_meta import AttentionMetadata
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
+                                     intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, rms_norm_eps=1e-5))
+    layer = LlamaDecoderLayer(cfg, RotaryEmbedding(cfg.head_dim, 64, 10000.0, None), TORCH_BACKEND)
+    g = gen(11)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0))
+    x, res = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    positions = torch.tensor([5])
+
+    def run():
+        cache = tuple(torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+        meta = AttentionMetadata(slot_mapping=torch.tensor([5]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                                 seq_lens=torch.tensor([6], dtype=torch.int32),
+                                 block_tables=torch.tensor([[0]], dtype=torch.int32), query_start_loc_cpu=[0, 1],
+                                 seq_lens_cpu=[6], max_query_len=1, max_seq_len=6)
+        return [layer(positions, x, r, cache, meta) for r in (None, res)]
+
+    plain = run()
+    kinds = []
+    real_gemv = linear.gemv_triton
+    monkeypatch.setattr(norm_mod, "defers_to_projection", lambda t: t.dim() == 2 and t.shape[0] == 1)
+    monkeypatch.setattr(linear, "uses_gemv", lambda t, w: True)
+    monkeypatch.setattr(linear, "gemv_triton", lambda *a, **kw: kinds.append(kw.get("act")) or real_gemv(*a, **kw))
+    fused = run()
+    # per layer call: qkv and gate_up take the norm, o_proj plain, down_proj with the fused SiLU
+    assert kinds == ["rms_norm", None, "rms_norm", "silu_mul"] * 2
+    for (h0, r0), (h1, r1) in zip(plain, fused):
+        torch.testing.assert_close(r1, r0, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------- the layer
 def test_linear_on_cpu_is_f_linear_and_never_the_gemv(monkeypatch):
     def boom(*a, **kw):
@@ -263,6 +356,33 @@ def test_gpu_gemv_llama8b_shapes(M):
                 assert rel_err(y, ref) <= 1e-2, f"{name} act={act} M={M} config={cfg} seed {seed}"
             if act:   # fused == unfused kernels, up to silu rounding flips (fp32-ulp exp differences)
                 assert rel_err(gemv(x, w, act=act), gemv(silu_and_mul(x), w).double()) <= 1e-2, seed
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_gemv_rms_norm_8b_shapes_and_cuda_graph():
+    """act="rms_norm" (RIDGE_FUSE_NORM) at the projections a norm feeds (qkv, gate_up), one row:
+    against fp64, the residual sum as the RMSNorm kernel writes it, and replayed from a graph."""
+    from ridge.kernels.rmsnorm import rms_norm
+    g, seed = fresh_generator()
+    K = 4096
+    x, res = (torch.randn(1, K, generator=g, device="cuda").to(BF16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF16)
+    h, expect_res = rms_norm(x, nw, 1e-5, res)
+    for name in ("qkv", "gate_up"):
+        N = LLAMA8B[name][0]
+        w = (torch.randn(N, K, generator=g, device="cuda") / K**0.5).to(BF16)
+        res_out = torch.full_like(x, float("nan"))
+        y = gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res, residual_out=res_out)
+        assert torch.equal(res_out, expect_res), seed
+        assert rel_err(y, h.double() @ w.double().T) <= 1e-2, (name, seed)
+        graph, static = capture_cuda_graph(lambda: gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5,
+                                                        residual=res, residual_out=res_out))
+        static.fill_(float("nan"))
+        res_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, y) and torch.equal(res_out, expect_res), (name, seed)
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ def test_cli_writes_the_four_files(checkpoints, cpu_ceilings, tmp_path, capsys):
             for key in ("flops", "bytes", "intensity", "achieved_flops", "achieved_bandwidth", "fraction", "share",
                         "roof", "ideal_s", "advice"):
                 assert key in r
-        assert ops["norm"]["calls"] == 2 * cfg.num_layers + 1 and ops["qkv_proj"]["calls"] == cfg.num_layers
+        assert ops["norm"]["calls"] == 2 * cfg.num_layers and ops["final_norm"]["calls"] == 1 and ops["qkv_proj"]["calls"] == cfg.num_layers
         # the sum of the per-op times never exceeds the step time
         op_sum = sum(r["time_s"] for r in s["ops"])
         assert op_sum == pytest.approx(summ["ops_time_s"])
@@ -122,7 +122,7 @@ def test_instrumentation_leaves_the_model_as_it_was(tiny_llm, roofline_env):
         tl = Timeline("clock")
         with instrument_runner(runner, tl):
             engine_step_fn(tiny_llm.engine, built)(tl)
-        assert {"embed", "norm", "qkv_proj", "rope_kv_write", "attention", "o_proj", "gate_up_proj",
+        assert {"embed", "norm", "final_norm", "qkv_proj", "rope_kv_write", "attention", "o_proj", "gate_up_proj",
                 "activation", "down_proj", "lm_head", "sampling", "host"} <= set(tl.calls)
         assert tl.calls["rope_kv_write"] == tl.calls["attention"] == 2 and not tl.stack
     finally:
@@ -206,23 +206,32 @@ def test_step_diagnosis_from_known_timings():
     assert s2.label == "compute-bound" and s2.first_target.startswith("attack gemm first")
 
 
-@pytest.mark.parametrize("part,host_op", [("rope_kv_write", "attention"), ("activation", "down_proj")])
-def test_untimed_fused_op_folds_into_its_host(part, host_op):
-    """An op that ran inside another one's kernel (RoPE + KV write inside an unwrapped attention
-    backend; SiLU-and-mul fused into the small-batch GEMV of down_proj) is charged there."""
+@pytest.mark.parametrize("part,hosts,untimed", [("rope_kv_write", ("attention",), "absent"),
+                                                ("activation", ("down_proj",), "absent"),
+                                                ("norm", ("qkv_proj", "gate_up_proj"), "zero")])
+def test_untimed_fused_op_folds_into_its_hosts(part, hosts, untimed):
+    """An op that ran inside other ops' kernels (RoPE + KV write inside an unwrapped attention
+    backend; SiLU-and-mul fused into the small-batch GEMV of down_proj; the layers' norms fused
+    into the GEMVs they feed, whose modules still run but launch nothing) is charged there, split
+    evenly between its hosts."""
     c = fake_ceilings()
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     cfg_costs = step_costs(cfg, StepShape.decode(1, 4))
     times = {o.name: 1e-3 for o in cfg_costs if o.name != part}
+    if untimed == "zero":
+        times[part] = 0.0
     s = diagnose_step("decode", StepShape.decode(1, 4), cfg_costs,
                       StepTiming(20e-3, times, {}, {}), c, 1, 4, 1)
     rows = {r.op: r for r in s.rows}
     inner = next(o for o in cfg_costs if o.name == part)
-    outer = next(o for o in cfg_costs if o.name == host_op)
-    assert part not in rows and rows[host_op].bytes == outer.bytes + inner.bytes
-    assert rows[host_op].flops == outer.flops + inner.flops
-    assert any(n.startswith(part) for n in s.notes)
+    assert part not in rows and any(n.startswith(part) or f"{part}s" in n for n in s.notes)
+    for host in hosts:
+        outer = next(o for o in cfg_costs if o.name == host)
+        assert rows[host].bytes == pytest.approx(outer.bytes + inner.bytes / len(hosts))
+        assert rows[host].flops == pytest.approx(outer.flops + inner.flops / len(hosts))
+    assert sum(r.bytes for r in s.rows) == pytest.approx(sum(o.bytes for o in cfg_costs))
+    assert "final_norm" in rows
 
 
 # -- known character, measured on this CPU ---------------------------------------------------------

@@ -33,9 +33,11 @@ def test_decode_step_by_hand():
     expected = {
         #                flops                       bytes
         "embed":        (0,                          2 * 2 * 64 * 2),
-        # 5 norms: layer 0's input (4 FLOP/elt, read x + write), 3 with residual (5, read 2 + write 2),
-        # the final one with residual but no residual output (5, read 2 + write 1); 5 weight vectors
-        "norm":         (2 * 64 * (4 + 5 * 4),       2 * 64 * 2 * (2 + 4 * 3 + 3) + 5 * 64 * 2),
+        # 4 norms in the layers: layer 0's input (4 FLOP/elt, read x + write), 3 with residual (5,
+        # read 2 + write 2); 4 weight vectors
+        "norm":         (2 * 64 * (4 + 5 * 3),       2 * 64 * 2 * (2 + 4 * 3) + 4 * 64 * 2),
+        # the final one, with residual but no residual output (5, read 2 + write 1); its weight
+        "final_norm":   (2 * 64 * 5,                 2 * 64 * 2 * 3 + 64 * 2),
         "qkv_proj":     (2 * (2 * 2 * 64 * 128),     2 * (64 * 128 * 2 + 2 * 64 * 2 + 2 * 128 * 2)),
         # read q, k, v (2 x 128 elements), write q, k (2 x 96), the tables (2 x 16 x 4 bytes),
         # the K/V rows (2 x 64)
@@ -49,7 +51,7 @@ def test_decode_step_by_hand():
         "lm_head":      (2 * 2 * 64 * 512,           512 * 64 * 2 + 2 * 64 * 2 + 2 * 512 * 4),
         "sampling":     (2 * 512,                    2 * 512 * 4),
     }
-    literal = {"norm": (3072, 4992), "qkv_proj": (65536, 34304), "rope_kv_write": (1152, 2560),
+    literal = {"norm": (2432, 4096), "final_norm": (640, 896), "qkv_proj": (65536, 34304), "rope_kv_write": (1152, 2560),
                "attention": (10240, 6144), "o_proj": (32768, 17408), "gate_up_proj": (131072, 68096),
                "activation": (2560, 3072), "down_proj": (65536, 34304), "lm_head": (131072, 69888)}
     for name, (flops, nbytes) in expected.items():
@@ -58,7 +60,7 @@ def test_decode_step_by_hand():
         assert (c[name].flops, c[name].bytes) == (flops, nbytes), name
     assert c["qkv_proj"].weight_bytes == 2 * 64 * 128 * 2
     assert c["attention"].kv_bytes == 20 * 2 * 32 * 2 * 2 and c["rope_kv_write"].kv_bytes == 2 * 2 * 64 * 2
-    assert c["norm"].calls == 5 and c["qkv_proj"].calls == 2 and c["lm_head"].calls == 1
+    assert c["norm"].calls == 4 and c["final_norm"].calls == 1 and c["qkv_proj"].calls == 2 and c["lm_head"].calls == 1
 
 
 def test_prefill_and_precisions_by_hand():
@@ -155,9 +157,9 @@ def test_prediction_and_utilization_by_hand():
     assert predicted_step_s(cfg, ceil, shape) == pytest.approx(floor)
     # + one launch floor (the graph figure, 1 us here) per op call: the cost model's kernel count
     calls = sum(c.calls for c in costs)
-    # embed, 2 norms a layer + the final one, then per layer (2 layers) qkv, rope_kv_write,
-    # attention, o_proj, gate_up, activation, down; lm_head; sampling
-    assert calls == 1 + (2 * 2 + 1) + 2 * 7 + 1 + 1
+    # embed, 2 norms a layer, then per layer (2 layers) qkv, rope_kv_write, attention, o_proj,
+    # gate_up, activation, down; the final norm; lm_head; sampling
+    assert calls == 1 + 2 * 2 + 2 * 7 + 1 + 1 + 1
     assert predicted_step_s(cfg, ceil, shape, with_launches=True) == pytest.approx(floor + calls * 1e-6)
     assert launch_floor_s(ceil) == 1e-6
     assert launch_floor_s(dataclasses.replace(ceil, graph_launch=None)) == 5e-6   # eager where no graph figure

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.layers.activation import silu_and_mul
+from ridge.layers.norm import PendingNorm
 
 try:
     from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv as gemv_triton
@@ -56,11 +57,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, act: str | None = None) -> torch.Tensor:
         """act(x) @ weight^T (+ bias). act=None: x is [.., in_features]; act="silu_mul": x is
-        [.., 2 * in_features] = [gate | up] and the input is silu(gate) * up."""
+        [.., 2 * in_features] = [gate | up] and the input is silu(gate) * up. x may be a
+        PendingNorm (ridge/layers/norm.py): computed inside the GEMV for one row, else first."""
         if act not in ACTS:
             raise ValueError(f"Linear: act must be one of {ACTS}, got {act!r}")
+        if isinstance(x, PendingNorm):
+            if act is None and uses_gemv(x.x, self.weight) and x.x.shape[0] == 1:
+                return gemv_triton(x.x, self.weight, self.bias, act="rms_norm", norm_weight=x.weight, eps=x.eps,
+                                   residual=x.residual, residual_out=x.residual_out)
+            x = x.materialize()
         gemv = uses_gemv(x, self.weight)
         if act == "silu_mul" and not (gemv and x.shape[0] == 1):
             # the fused activation pays only on the M = 1 (FMA) path: on an H200 (2026-11-23,

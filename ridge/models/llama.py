@@ -74,8 +74,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each feeds one projection (qkv, gate/up), which may compute it (ridge/layers/norm.py)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds_projection=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds_projection=True)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:

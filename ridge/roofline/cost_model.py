@@ -5,7 +5,7 @@ The op list is what `ridge/models/llama.py` does, in order:
 
     embed -> per layer: norm (+residual), qkv_proj (merged), [qk_norm], rope_kv_write (rotary
     on q and k fused with the KV-cache write), attention, o_proj, norm (+residual), gate_up_proj
-    (merged), activation (SiLU-and-mul), down_proj -> final norm -> lm_head (only the rows that
+    (merged), activation (SiLU-and-mul), down_proj -> final_norm -> lm_head (only the rows that
     sample) -> sampling
 
 Conventions (each is the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far
@@ -39,7 +39,7 @@ import torch
 from ridge.config import ModelConfig
 
 OPS = ("embed", "norm", "qkv_proj", "qk_norm", "rope_kv_write", "attention", "o_proj",
-       "gate_up_proj", "activation", "down_proj", "lm_head", "sampling")
+       "gate_up_proj", "activation", "down_proj", "final_norm", "lm_head", "sampling")
 GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 LOGIT_BYTES = 4                     # the sampler works on float32 logits
@@ -192,10 +192,11 @@ def step_costs(cfg: ModelConfig, shape: StepShape) -> list[OpCost]:
         ops.append(OpCost(name, flops * calls, wbytes + (m * k + m * n) * a * calls, wbytes, 0, calls, roof))
 
     ops.append(OpCost("embed", 0, 2 * T * h * a, T * h * a, 0, 1, act_roof))   # T rows of the table
-    # 2L + 1 norms: layer 0's input norm has no residual yet; the final norm's residual output is unused
-    norm_flops = T * h * (NORM_FLOPS_PER_ELEMENT + (NORM_FLOPS_PER_ELEMENT + 1) * 2 * L)
-    norm_bytes = T * h * a * (2 + 4 * (2 * L - 1) + 3) + (2 * L + 1) * h * a
-    ops.append(OpCost("norm", norm_flops, norm_bytes, (2 * L + 1) * h * a, 0, 2 * L + 1, act_roof))
+    # 2L norms in the layers (layer 0's input norm has no residual yet), then the final norm
+    # (final_norm below, its residual output never read, so not written)
+    norm_flops = T * h * (NORM_FLOPS_PER_ELEMENT + (NORM_FLOPS_PER_ELEMENT + 1) * (2 * L - 1))
+    norm_bytes = T * h * a * (2 + 4 * (2 * L - 1)) + 2 * L * h * a
+    ops.append(OpCost("norm", norm_flops, norm_bytes, 2 * L * h * a, 0, 2 * L, act_roof))
     gemm("qkv_proj", T, q + 2 * kv, h, cfg.qkv_bias, w, L, p.compute)
     if cfg.qk_norm:
         rows = T * (H + K)
@@ -216,6 +217,8 @@ def step_costs(cfg: ModelConfig, shape: StepShape) -> list[OpCost]:
     ops.append(OpCost("activation", ACTIVATION_FLOPS_PER_ELEMENT * T * inter * L, 3 * T * inter * a * L,
                       0, 0, L, act_roof))
     gemm("down_proj", T, h, inter, cfg.mlp_bias, w, L, p.compute)
+    ops.append(OpCost("final_norm", (NORM_FLOPS_PER_ELEMENT + 1) * T * h, 3 * T * h * a + h * a, h * a, 0, 1,
+                      act_roof))
     # The LM head: [N, h] x [h, V] -> float32 logits, for the sampled rows only.
     head_w = V * h * hb
     ops.append(OpCost("lm_head", 2 * N * h * V, head_w + N * h * a + N * V * LOGIT_BYTES, head_w, 0, 1,

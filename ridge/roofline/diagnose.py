@@ -213,19 +213,27 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     notes = list(timing.notes)
     costs = list(costs)
     names = {c.name for c in costs}
-    for part, host_op, why in (
+    for part, hosts, why in (
             # the attention backend could not be wrapped: its rotary + KV write is timed inside attention
-            ("rope_kv_write", "attention", "rope_kv_write is not timed on its own: its cost is included in attention"),
+            ("rope_kv_write", ("attention",), "rope_kv_write is not timed on its own: its cost is included in "
+                                              "attention"),
             # the small-batch GEMV applies SiLU-and-mul inside down_proj's K loop: no kernel of its own
-            ("activation", "down_proj", "activation is fused into down_proj (small-batch GEMV): its cost is "
-                                        "included there")):
-        if {part, host_op} <= names and part not in op_s and host_op in op_s:
+            ("activation", ("down_proj",), "activation is fused into down_proj (small-batch GEMV): its cost is "
+                                           "included there"),
+            # RIDGE_FUSE_NORM: each layer's two norms run inside the GEMVs of the projections they feed
+            ("norm", ("qkv_proj", "gate_up_proj"), "the layers' norms are fused into qkv_proj and gate_up_proj "
+                                                   "(small-batch GEMV): half of their cost is included in each")):
+        if part in names and set(hosts) <= names and not op_s.get(part) and all(h in op_s for h in hosts):
             inner = next(c for c in costs if c.name == part)
-            outer = next(c for c in costs if c.name == host_op)
-            merged = OpCost(host_op, outer.flops + inner.flops, outer.bytes + inner.bytes,
-                            outer.weight_bytes + inner.weight_bytes, outer.kv_bytes + inner.kv_bytes,
-                            outer.calls, outer.compute)
-            costs = [merged if c is outer else c for c in costs if c is not inner]
+            share = 1.0 / len(hosts)
+            merged = {}
+            for host in hosts:
+                outer = next(c for c in costs if c.name == host)
+                merged[host] = OpCost(host, outer.flops + share * inner.flops, outer.bytes + share * inner.bytes,
+                                      outer.weight_bytes + share * inner.weight_bytes,
+                                      outer.kv_bytes + share * inner.kv_bytes, outer.calls, outer.compute)
+            costs = [merged.get(c.name, c) for c in costs if c is not inner]
+            op_s.pop(part, None)
             notes.append(why)
     step = timing.step_s
     graph = getattr(timing, "graph", False)

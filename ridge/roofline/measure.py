@@ -48,7 +48,7 @@ HOST = "host"          # host-side batch preparation (lists -> device tensors): 
 
 # leaf module name -> op
 MODULE_OPS = {
-    "embed_tokens": "embed", "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "norm",
+    "embed_tokens": "embed", "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "final_norm",
     "qkv_proj": "qkv_proj", "q_norm": "qk_norm", "k_norm": "qk_norm", "attn": "attention",
     "o_proj": "o_proj", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
