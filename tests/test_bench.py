@@ -81,6 +81,54 @@ def test_latency_restores_runner_and_draws_fresh_prompts(tiny):
 
 
 # -- throughput ------------------------------------------------------------------------------------------
+def test_runner_timer_on_cuda_pairs_events_per_step_and_never_synchronises(monkeypatch):
+    """The CUDA side of RunnerTimer with a fake clock on the stream: one (start, end) event pair
+    per step, a step that samples nothing joined to the next, no synchronise until device_s."""
+    import types
+
+    import torch
+
+    from ridge.bench import common
+
+    clock = {"t": 0.0, "syncs": 0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock["t"]
+
+        def elapsed_time(self, end):        # milliseconds, as torch.cuda.Event
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(common, "sync", lambda device: clock.__setitem__("syncs", clock["syncs"] + 1))
+
+    def execute(sched):
+        clock["t"] += 0.002          # the step's forward on the stream
+        return "logits"
+
+    def sample(logits):
+        clock["t"] += 0.001
+        return "ids"
+
+    runner = types.SimpleNamespace(execute=execute, sample=sample)
+    engine = types.SimpleNamespace(runner=runner, cfg=types.SimpleNamespace(device=torch.device("cuda")))
+    timer = common.RunnerTimer(engine)
+    with timer:
+        runner.execute(None), runner.sample("logits")              # step 1: 3 ms
+        clock["t"] += 0.010                                        # idle between steps: not busy
+        runner.execute(None)                                       # a chunk that samples nothing...
+        runner.execute(None), runner.sample("logits")              # ...joins this step: 5 ms
+    assert runner.execute is execute and runner.sample is sample    # restored
+    assert len(timer.events) == 2 and clock["syncs"] == 0
+    assert timer.device_s == pytest.approx(0.008) and clock["syncs"] == 1
+    assert timer.device_s == pytest.approx(0.008) and clock["syncs"] == 1   # read once
+    assert timer.execute_calls == 3 and timer.sample_calls == 2
+
+
 def test_throughput_synthetic_json(tiny, tmp_path, capsys):
     path = tmp_path / "tp.json"
     rc, out, err = run_cli(["bench", "throughput", "--model", tiny, "--device", "cpu", "--num-prompts", "6",

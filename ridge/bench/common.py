@@ -44,19 +44,23 @@ class StepRecord:
 @dataclass
 class RunnerTimer:
     """Host-clock time around `runner.execute` (batch preparation, forward, logits) and
-    `runner.sample`, accumulated over a run; optionally the shape of every step.
+    `runner.sample`, accumulated over a run; the device's busy time; optionally the shape of
+    every step.
 
     The engine is used as it is: the two bound methods are replaced on the runner *instance* for
-    the duration of the `with` block and restored after it.
+    the duration of the `with` block and restored after it. Nothing here waits for the device:
+    with async scheduling the engine launches step N+1 before it reads step N's ids, and a
+    synchronise in the hooks would serialise the two again (it did until 2026-11-23, so earlier
+    benchmarks measured the engine with that overlap removed).
 
-    Synchronisation: one, at the end of `sample`, so that its time includes the device finishing
-    the step's kernels. It costs nothing: the engine reads the sampled tokens on the host right
-    after `sample` returns, which waits for the same kernels. No synchronise is added after
-    `execute`: on CUDA it returns once the forward is queued, and the engine's bookkeeping between
-    the two calls (`between_s`) runs while the forward is still on the device. So on CUDA the
-    device's busy time is the span from entering `execute` to leaving `sample` (an upper bound:
-    it assumes the device never idles inside it); on a CPU, where `execute` returns only when the
-    forward is done, it is the time inside the two calls."""
+    Device busy time: on CUDA a pair of timing events per step, recorded on the stream before
+    `execute` queues the step's work and after `sample` queues the last of it; the start event
+    completes when the device reaches it (when the previous step's work is done, or when the host
+    enqueued it if the device was idle by then), so the pairs' elapsed times add up to the time the
+    device spent on the steps, idle time between steps excluded (an upper bound: idle gaps inside a
+    step count as busy). Read once, after a synchronise, when `device_s` is first asked for. On a
+    CPU, where `execute` returns only when the forward is done, it is the time inside the two
+    calls."""
     engine: object
     record_shapes: bool = False
     execute_s: float = 0.0
@@ -65,17 +69,23 @@ class RunnerTimer:
     execute_calls: int = 0
     sample_calls: int = 0
     shapes: list[StepRecord] = field(default_factory=list)
+    events: list[tuple[object, object]] = field(default_factory=list)   # CUDA (start, end) per step
 
     def __enter__(self) -> "RunnerTimer":
         runner = self.engine.runner
-        device = self.engine.cfg.device
+        cuda = self.engine.cfg.device.type == "cuda"
         self._saved = {name: runner.__dict__.get(name) for name in ("execute", "sample")}
         execute, sample = runner.execute, runner.sample
         self._execute_end = None
+        self._start = None
+        self._device_s = None
 
         def timed_execute(sched, *args, **kwargs):
             if self.record_shapes:
                 self.shapes.append(StepRecord.of(sched))     # before the engine advances the sequences
+            if cuda and self._start is None:                 # a step that sampled nothing joins the next
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
             t = time.perf_counter()
             out = execute(sched, *args, **kwargs)
             self._execute_end = time.perf_counter()
@@ -89,7 +99,11 @@ class RunnerTimer:
                 self.between_s += t - self._execute_end
                 self._execute_end = None
             out = sample(*args, **kwargs)
-            sync(device)
+            if cuda and self._start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((self._start, end))
+                self._start = None
             self.sample_s += time.perf_counter() - t
             self.sample_calls += 1
             return out
@@ -111,10 +125,13 @@ class RunnerTimer:
 
     @property
     def device_s(self) -> float:
-        """Time the device is taken to be busy with the steps (see the class docstring)."""
-        if self.engine.cfg.device.type == "cuda":
-            return self.execute_s + self.between_s + self.sample_s
-        return self.execute_s + self.sample_s
+        """Time the device was busy with the steps (see the class docstring)."""
+        if self.engine.cfg.device.type != "cuda":
+            return self.execute_s + self.sample_s
+        if self._device_s is None:
+            sync(self.engine.cfg.device)
+            self._device_s = sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+        return self._device_s
 
     def check_engaged(self, steps: int) -> None:
         """The hooks only see what the engine routes through `runner.execute`/`runner.sample`; if the

@@ -10,7 +10,11 @@ the engine until all finish. Per iteration:
         token (the prefill of the whole batch, however many chunks it took);
   ITL   the wall time of each step after that (all decode steps), pooled over iterations;
   E2E   submission -> the last token.
-After every step the host waits for the device, so a step's time is its work, not its launches.
+Steps are timed as the engine runs them, with no synchronise added: each step returns once the
+sampled ids it commits are on the host, which paces the loop by the device. With async scheduling
+(the default) a step returns the ids of the step launched one call earlier while the next one
+runs, so the host work of one step overlaps the device work of another, as in real use. (Until
+2026-11-23 the host waited for the device after every step, which removed that overlap.)
 MBU = the bytes the decode steps must move (weights and KV cache read, plus activations and
 logits: ridge.roofline's cost model) / their time / the device's measured copy bandwidth
 (ridge.roofline's ceilings, measured once and cached per device); --roofline adds MFU (FLOPs /
@@ -72,7 +76,6 @@ def _one_batch(engine, prompts: list[list[int]], params, timer: RunnerTimer) -> 
     while engine.has_unfinished():
         n_shapes = len(timer.shapes)
         outs = engine.step()
-        sync(device)
         t = time.perf_counter()
         shape = timer.shapes[-1] if len(timer.shapes) > n_shapes else None
         for o in outs:

@@ -11,12 +11,12 @@ human turn, output length = the tokenized length of the first gpt reply; needs a
 Prompts are tokenized before the clock starts.
 
 Reports requests/s, output tokens/s, total (prompt + output) tokens/s and the elapsed time, and
-where the wall time went: the device's share (inside `runner.execute` + `runner.sample`: batch
-preparation, forward, sampling; on CUDA the span from entering `execute` to leaving `sample`,
-since the engine's bookkeeping between the two runs while the forward is on the GPU), the rest
-of `engine.step` (scheduling, page bookkeeping, stop checks, detokenization: host work the
-device waits for), and time outside the engine (submission, progress bar). The one device
-synchronise added ends `runner.sample`, where the engine waits for the sampled tokens anyway.
+where the wall time went: the device's share (on CUDA the GPU time of each step, from timing
+events recorded around `runner.execute` + `runner.sample`, idle time between steps excluded; on
+a CPU the time inside those two calls), the rest of the time inside `engine.step` (scheduling,
+page bookkeeping, stop checks, detokenization: host work, which async scheduling overlaps with
+the device's), and time outside the engine (submission, progress bar). No device synchronise is
+added inside the run (ridge/bench/common.py, RunnerTimer).
 """
 from __future__ import annotations
 
@@ -192,9 +192,9 @@ def run_throughput(llm, requests: list[BenchRequest], temperature: float = 1.0, 
         host_fraction=host_in_step / elapsed,
         outside_engine_fraction=outside / elapsed,
         busy_fraction_note=(
-            "device = from entering runner.execute to leaving runner.sample (which ends with a device "
-            "synchronise), the engine's bookkeeping in between overlapping the forward on the GPU; an upper "
-            "bound on GPU-busy time" if cuda else
+            "device = the GPU time of each step, from CUDA events recorded before runner.execute and after "
+            "runner.sample (no synchronise added: the engine's async scheduling keeps its overlap); idle "
+            "time between steps excluded, an upper bound on GPU-busy time" if cuda else
             "device = time inside runner.execute + runner.sample (the CPU computes inside the calls)"),
         preemptions=stats1.num_preemptions - stats0.num_preemptions,
         prompt_tokens_computed=stats1.prompt_tokens - stats0.prompt_tokens,
