@@ -45,8 +45,12 @@ def _configs() -> list[triton.Config]:
 # The best pipeline depth and tile depend on how much each program streams and on how many
 # programs share the SMs, so both (coarsely bucketed) are part of the key: without them the
 # first shape's winner served every later shape (B=1, L=32k varied 52-147 us between runs).
+# The two bucket arguments are read by the autotuner only, so they are not specialised: Triton
+# would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
+# the compiles that decode-graph capture pays (the 2026-11-23 run that captured 35 buckets in
+# 4.9 s had this).
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"])
-@triton.jit
+@triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_loc, seq_lens,
                          qk_scale, window, num_splits, work_bucket, grid_bucket,
                          stride_qt, stride_qh, stride_ot, stride_oh,
