@@ -11,6 +11,7 @@
 #   latency     benchmarks/fast_path.py (a) on the 8B shape: default, async scheduling off, and the
 #               opt-in levers (PDL, norms fused into the GEMVs, both), graphs re-captured per variant
 #   fastpath    benchmarks/fast_path.py (a)-(c) on the 8B shape, HF transformers in the same run
+#   qwen        benchmarks/fast_path.py (a) and (c) on a Qwen3-0.6B-shaped checkpoint (ridge only)
 #   engine      pytest -m gpu tests/test_gpu_engine.py (transformers parity, graphs on / off)
 #   roofline    pytest -m gpu tests/test_roofline.py and `ridge roofline` on the 8B shape
 # The Llama-3-8B-shaped random checkpoint is written (by transformers) when a part needs it.
@@ -51,6 +52,13 @@ fi
 if has fastpath; then
   timeout 500 python3 benchmarks/fast_path.py --model "$CKPT" --no-progress ${FASTPATH_ARGS:-} \
     --json "$OUT/fast_path_8b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -24
+fi
+if has qwen; then   # issue 5 (c) on the small model: the host's share matters most there
+  Q=/tmp/ridge-qwen3-0.6b
+  [ -f "$Q/config.json" ] || python3 -m ridge.utils.random_checkpoint "$Q" --arch qwen3 --preset qwen3-0.6b \
+      --dtype bfloat16 --device cuda > /tmp/ridge-qwen-checkpoint.log 2>&1
+  timeout 300 python3 benchmarks/fast_path.py --model "$Q" --only latency,workload --no-hf --no-progress \
+    --json "$OUT/fast_path_qwen3_0.6b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -12
 fi
 if has engine; then
   RIDGE_TEST_BACKENDS=${RIDGE_TEST_BACKENDS:-triton,triton-eager} RIDGE_8B_PATH="$CKPT" timeout ${ENGINE_TIMEOUT:-400} \
