@@ -14,6 +14,7 @@ All timings: medians (triton.testing.do_bench / do_bench_cudagraph) on fresh ran
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -141,6 +142,17 @@ def bench_prefill(S: int, H: int = 32) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def pdl_on(t: torch.Tensor):
+    """PDL switched on for the duration; yields whether this device supports it."""
+    default = pdl_switch.ENABLED
+    pdl_switch.ENABLED = True
+    try:
+        yield pdl_switch.use_pdl(t)
+    finally:
+        pdl_switch.ENABLED = default
+
+
 def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sweep=()) -> dict:
     D = HEAD_DIM
     k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
@@ -159,15 +171,18 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     res["ridge_ms_again"] = bench_graph_ms(run)
     # the same kernels with programmatic dependent launch (ridge/kernels/pdl.py; off by default
     # until measured): each kernel is launched while the one before it still runs
-    default = pdl_switch.ENABLED
-    pdl_switch.ENABLED = True
-    try:
-        res["ridge_pdl_ms"] = bench_graph_ms(run) if pdl_switch.use_pdl(q) else None
-    finally:
-        pdl_switch.ENABLED = default
-    # the split count is the decode kernel's main lever: time a few around the heuristic's choice
-    res["splits_sweep"] = {s: kv_bytes / (bench_graph_ms(lambda: decode_attention(
-        q, k_cache, v_cache, meta, scale, out=out, num_splits=s)) * 1e-3) / 1e9 / copy_gbps for s in sweep}
+    with pdl_on(q) as supported:
+        res["ridge_pdl_ms"] = bench_graph_ms(run) if supported else None
+    # the split count is the decode kernel's main lever: time a few around the heuristic's choice,
+    # without and with PDL (which hides part of the merge's launch, so its best count may differ)
+    frac = lambda ms: kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
+    res["splits_sweep"] = {}
+    for s in sweep:
+        at_s = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=s)  # noqa: E731
+        row = {"frac": frac(bench_graph_ms(at_s))}
+        with pdl_on(q) as supported:
+            row["pdl_frac"] = frac(bench_graph_ms(at_s)) if supported else None
+        res["splits_sweep"][s] = row
     qg = q.view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")
     for b in range(B):  # float32 reference, one sequence at a time to bound memory
@@ -240,7 +255,8 @@ def main() -> None:
               f"{fmt(sdpa_us, '.1f'):>8} {fmt(r['sdpa_GBps'], '.0f'):>6} "
               f"{fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} {r['ridge_rel_err']:>9.2e}")
         if r["splits_sweep"]:
-            print("      splits -> frac of copy bw: " + "  ".join(f"{s}:{f:.2f}" for s, f in r["splits_sweep"].items()))
+            print("      splits -> frac of copy bw (with PDL): " + "  ".join(
+                f"{s}:{w['frac']:.2f} ({fmt(w['pdl_frac'], '.2f')})" for s, w in r["splits_sweep"].items()))
 
 
 if __name__ == "__main__":
