@@ -64,7 +64,7 @@ class Linear(nn.Module):
         if act not in ACTS:
             raise ValueError(f"Linear: act must be one of {ACTS}, got {act!r}")
         if isinstance(x, PendingNorm):
-            if act is None and uses_gemv(x.x, self.weight) and x.x.shape[0] == 1:
+            if act is None and uses_gemv(x.x, self.weight) and x.x.shape[0] == 1 and x.weight.dtype == x.x.dtype:
                 return gemv_triton(x.x, self.weight, self.bias, act="rms_norm", norm_weight=x.weight, eps=x.eps,
                                    residual=x.residual, residual_out=x.residual_out)
             x = x.materialize()
