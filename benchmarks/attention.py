@@ -14,7 +14,6 @@ All timings: medians (triton.testing.do_bench / do_bench_cudagraph) on fresh ran
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -26,7 +25,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ridge.bench.common import fmt  # noqa: E402
+from ridge.bench.common import fmt, switched_on  # noqa: E402
 from ridge.kernels import pdl as pdl_switch  # noqa: E402
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
 from ridge.kernels.decode_attention import _decode_split_kernel, choose_num_splits, decode_attention  # noqa: E402
@@ -34,6 +33,7 @@ from ridge.kernels.prefill_attention import _prefill_kernel, prefill_attention  
 from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 PAGE, HEAD_DIM, DT = 16, 128, torch.bfloat16
+PDL_SWITCH = (("ridge.kernels.pdl", "ENABLED"),)
 
 
 def bench_ms(fn) -> float:
@@ -142,17 +142,6 @@ def bench_prefill(S: int, H: int = 32) -> dict:
     return res
 
 
-@contextlib.contextmanager
-def pdl_on(t: torch.Tensor):
-    """PDL switched on for the duration; yields whether this device supports it."""
-    default = pdl_switch.ENABLED
-    pdl_switch.ENABLED = True
-    try:
-        yield pdl_switch.use_pdl(t)
-    finally:
-        pdl_switch.ENABLED = default
-
-
 def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sweep=()) -> dict:
     D = HEAD_DIM
     k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
@@ -171,8 +160,8 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     res["ridge_ms_again"] = bench_graph_ms(run)
     # the same kernels with programmatic dependent launch (ridge/kernels/pdl.py; off by default
     # until measured): each kernel is launched while the one before it still runs
-    with pdl_on(q) as supported:
-        res["ridge_pdl_ms"] = bench_graph_ms(run) if supported else None
+    with switched_on(PDL_SWITCH):
+        res["ridge_pdl_ms"] = bench_graph_ms(run) if pdl_switch.use_pdl(q) else None
     # the split count is the decode kernel's main lever: time a few around the heuristic's choice,
     # without and with PDL (which hides part of the merge's launch, so its best count may differ)
     frac = lambda ms: kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
@@ -180,8 +169,8 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     for s in sweep:
         at_s = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=s)  # noqa: E731
         row = {"frac": frac(bench_graph_ms(at_s))}
-        with pdl_on(q) as supported:
-            row["pdl_frac"] = frac(bench_graph_ms(at_s)) if supported else None
+        with switched_on(PDL_SWITCH):
+            row["pdl_frac"] = frac(bench_graph_ms(at_s)) if pdl_switch.use_pdl(q) else None
         res["splits_sweep"][s] = row
     qg = q.view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")

@@ -29,10 +29,8 @@ comes last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
-import importlib
 import importlib.util
 import os
 import statistics
@@ -42,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ridge.bench.common import device_name, format_table, sync, write_json  # noqa: E402
+from ridge.bench.common import device_name, format_table, switched_on, sync, write_json  # noqa: E402
 from ridge.bench.datasets import BenchRequest, RandomPrompts, special_token_ids, synthetic_requests  # noqa: E402
 
 PARTS = ("latency", "throughput", "workload")
@@ -126,21 +124,6 @@ def ridge_max_len(a) -> int:
     if "workload" in a.parts:
         need.append(2 * a.workload_len_range[1])
     return max(need)
-
-
-@contextlib.contextmanager
-def switched_on(switches):
-    """Set each (module, attribute) switch to True for the duration, then restore it."""
-    saved = []
-    try:
-        for module_name, attr in switches:
-            module = importlib.import_module(module_name)
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, True)
-        yield
-    finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
 
 
 def run_ridge(a, model: str, record) -> None:

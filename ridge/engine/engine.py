@@ -311,8 +311,7 @@ class InflightStep:
 
 def _overlappable(params: SamplingParams) -> bool:
     """Sampling that needs no host-side token history or per-token results."""
-    return (params.logprobs is None and not params.presence_penalty and not params.frequency_penalty
-            and params.repetition_penalty == 1.0)
+    return params.logprobs is None and not params.uses_penalties
 
 
 def _sample_seed(base: int, index: int) -> int:

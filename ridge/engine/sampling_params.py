@@ -39,6 +39,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Sampling reads the sequence's earlier tokens (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self, max_n: int | None = None) -> None:
         def bad(param, why):
             raise ValueError(f"{param}: {why}")

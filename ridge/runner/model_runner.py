@@ -44,8 +44,8 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.request.params
-    return (p.temperature == 0 and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and seq.num_output_tokens >= p.min_tokens)
+    return (p.temperature == 0 and p.logprobs is None and not p.uses_penalties
+            and seq.num_output_tokens >= p.min_tokens)
 
 
 class ModelRunner:
