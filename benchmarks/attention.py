@@ -69,18 +69,18 @@ def paged_from_contiguous(k, v):
         c = torch.empty(B * P, PAGE, kvh, D, dtype=t.dtype, device=t.device)
         c[perm] = t.transpose(1, 2).reshape(B * P, PAGE, kvh, D)
         caches.append(c)
-    block_tables = perm.view(B, P).to(torch.int32)
+    page_tables = perm.view(B, P).to(torch.int32)
     pos = torch.arange(L, device=k.device)
-    slots = (block_tables[:, pos // PAGE].long() * PAGE + pos % PAGE).reshape(-1)
-    return caches[0], caches[1], block_tables, slots
+    slots = (page_tables[:, pos // PAGE].long() * PAGE + pos % PAGE).reshape(-1)
+    return caches[0], caches[1], page_tables, slots
 
 
-def make_meta(B, q_len, L, block_tables, slots):
+def make_meta(B, q_len, L, page_tables, slots):
     starts = [i * q_len for i in range(B + 1)]
-    dev = block_tables.device
+    dev = page_tables.device
     return AttentionMetadata(
         slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-        seq_lens=torch.full((B,), L, dtype=torch.int32, device=dev), block_tables=block_tables,
+        seq_lens=torch.full((B,), L, dtype=torch.int32, device=dev), page_tables=page_tables,
         query_start_loc_cpu=starts, seq_lens_cpu=[L] * B, max_query_len=q_len, max_seq_len=L)
 
 

@@ -14,7 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV pool size: bytes if > 1, else a fraction of free memory")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16,
+                   help="tokens per KV-cache page (--block-size: vLLM's name)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true",
@@ -30,7 +31,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         kv = int(kv)
     return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                kv_cache_memory=kv, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+                kv_cache_memory=kv, page_size=a.page_size, enable_prefix_caching=not a.no_prefix_caching,
                 seed=a.seed, enforce_eager=a.enforce_eager, async_scheduling=not a.no_async_scheduling)
 
 

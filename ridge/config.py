@@ -147,8 +147,8 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    block_size: int
-    num_blocks: int
+    page_size: int
+    num_pages: int
     enable_prefix_caching: bool
     seed: int
     max_n: int

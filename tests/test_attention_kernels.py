@@ -43,19 +43,19 @@ def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, page=16, dty
     """
     g = torch.Generator().manual_seed(seed)
     pages_per_seq = [(c + page - 1) // page for c in ctx_lens]
-    num_blocks = sum(pages_per_seq) + spare_pages
-    perm = torch.randperm(num_blocks, generator=g)
+    num_pages = sum(pages_per_seq) + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
     max_pages = max(pages_per_seq + [1]) + 1  # one extra column of junk entries
-    block_tables = torch.full((len(q_lens), max_pages), -1, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, page, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    page_tables = torch.full((len(q_lens), max_pages), -1, dtype=torch.int32)
+    k_cache = torch.full((num_pages, page, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     used, new_slots, new_k, new_v = 0, [], [], []
     for i, (ql, ctx) in enumerate(zip(q_lens, ctx_lens)):
         n = pages_per_seq[i]
-        block_tables[i, :n] = perm[used:used + n].to(torch.int32)
+        page_tables[i, :n] = perm[used:used + n].to(torch.int32)
         used += n
         pos = torch.arange(ctx)
-        slots = block_tables[i, pos // page].long() * page + pos % page
+        slots = page_tables[i, pos // page].long() * page + pos % page
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
         pre = ctx - ql
@@ -74,7 +74,7 @@ def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, page=16, dty
         slot_mapping=slot_mapping.to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        page_tables=page_tables.to(device),
         query_start_loc_cpu=starts, seq_lens_cpu=list(ctx_lens),
         max_query_len=max(q_lens), max_seq_len=max(ctx_lens))
     to = lambda t: t.to(device)  # noqa: E731
@@ -212,12 +212,12 @@ def test_unsupported_inputs_raise():
 @pytest.mark.parametrize("kv_heads,head_dim,cache_dtype", [(2, 64, torch.float32), (3, 128, torch.bfloat16)])
 def test_write_kv_matches_ref(kv_heads, head_dim, cache_dtype):
     g = torch.Generator().manual_seed(1)
-    num_blocks, page, T = 6, 16, 37
-    slots = torch.randperm(num_blocks * page, generator=g)[:T]
+    num_pages, page, T = 6, 16, 37
+    slots = torch.randperm(num_pages * page, generator=g)[:T]
     # strided inputs: K and V are views into one fused projection buffer
     fused = torch.randn(T, 2 * kv_heads + 1, head_dim, generator=g)
     k, v = fused[:, :kv_heads], fused[:, kv_heads:2 * kv_heads]
-    caches = [torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
+    caches = [torch.full((num_pages, page, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
               for _ in range(4)]
     write_kv(k, v, caches[0], caches[1], slots)
     write_kv_ref(k, v, caches[2], caches[3], slots)

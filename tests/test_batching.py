@@ -7,8 +7,8 @@ from conftest import prompt_of
 
 
 def assert_pool_free(llm):
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    bm = llm.engine.pages
+    assert bm.num_free_pages == bm.num_pages
     assert all(c == 0 for c in bm.ref_counts)
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
@@ -48,10 +48,10 @@ def ample(checkpoints):
 
 def test_preemption_and_chunking_give_identical_outputs(checkpoints, ample):
     path = checkpoints("llama")
-    page_bytes = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20).engine.runner.kv_bytes_per_block()
+    page_bytes = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20).engine.runner.kv_bytes_per_page()
     # 40 pages of 16 tokens: a few requests at a time; prompts are prefilled in chunks of 64
     outs, llm = _run(path, kv_cache_memory=40 * page_bytes, max_num_batched_tokens=64)
-    assert llm.engine.cfg.num_blocks == 40
+    assert llm.engine.cfg.num_pages == 40
     assert llm.engine.scheduler.num_preemptions > 0
     assert outs == ample
 
@@ -62,7 +62,7 @@ def test_prefix_caching_off_gives_identical_outputs(checkpoints, ample):
 
 
 def test_prefix_cache_is_hit_and_pages_are_reused(tiny_llm):
-    bm = tiny_llm.engine.block_manager
+    bm = tiny_llm.engine.pages
     shared = prompt_of(64, salt=5)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first = tiny_llm.generate([shared + [7, 8, 9]], greedy, use_tqdm=False)[0]
@@ -84,7 +84,7 @@ def test_abort_frees_pages(tiny_llm):
     ids = [eng.add_request(prompt_of(50, salt=i), SamplingParams(temperature=0, max_tokens=50, n=2)) for i in range(4)]
     for _ in range(5):
         eng.step()
-    assert tiny_llm.engine.block_manager.num_free_blocks < tiny_llm.engine.cfg.num_blocks
+    assert tiny_llm.engine.pages.num_free_pages < tiny_llm.engine.cfg.num_pages
     for rid in ids:
         eng.abort(rid)
     assert_pool_free(tiny_llm)

@@ -61,7 +61,7 @@ def test_overlapped_decode_matches_synchronous(checkpoints):
     assert any(reason == "stop" for out in _outputs(llms[False], prompts, stopping) for _, reason in out)
     for llm in llms.values():                   # every page back in the pool
         st = llm.engine.stats()
-        assert st.num_free_blocks == st.num_blocks and not llm.engine.has_unfinished()
+        assert st.num_free_pages == st.num_pages and not llm.engine.has_unfinished()
 
 
 @pytest.mark.slow
@@ -89,5 +89,5 @@ def test_overlapped_decode_abort_and_late_arrival(checkpoints):
                 eng.add_request([11, 12], p, request_id="c")
         results[mode] = done
         st = eng.stats()
-        assert st.num_free_blocks == st.num_blocks
+        assert st.num_free_pages == st.num_pages
     assert results[True] == results[False] and set(results[True]) == {"a", "c"}

@@ -234,7 +234,7 @@ def test_decoder_layer_with_norms_fused_into_its_projections(monkeypatch):
         cache = tuple(torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
         meta = AttentionMetadata(slot_mapping=torch.tensor([5]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
                                  seq_lens=torch.tensor([6], dtype=torch.int32),
-                                 block_tables=torch.tensor([[0]], dtype=torch.int32), query_start_loc_cpu=[0, 1],
+                                 page_tables=torch.tensor([[0]], dtype=torch.int32), query_start_loc_cpu=[0, 1],
                                  seq_lens_cpu=[6], max_query_len=1, max_seq_len=6)
         return [layer(positions, x, r, cache, meta) for r in (None, res)]
 

@@ -92,18 +92,18 @@ def test_3_preemption_chunking_prefix_caching(llm, big):
     prompts = [(prefix if i % 2 else []) + prompt_of(200 + (i * 37) % 300, salt=i) for i in range(32)]
     params = [greedy(40 + (i * 13) % 40) for i in range(32)]
     ample = ridge_with_top5(llm, prompts, params)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    bm = llm.engine.pages
+    assert bm.num_free_pages == bm.num_pages
     small = LLM(big, dtype="bfloat16", device="cuda", attention_backend=llm.engine.runner.backend.name,
-                max_model_len=4096, kv_cache_memory=80 * llm.engine.runner.kv_bytes_per_block(),
+                max_model_len=4096, kv_cache_memory=80 * llm.engine.runner.kv_bytes_per_page(),
                 max_num_batched_tokens=256, show_progress=False, max_num_seqs=16,
                 enforce_eager=llm.engine.cfg.enforce_eager)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for (ref, top5), o in zip(ample, outs):
         first_divergence_ok(o.outputs[0].token_ids, ref, top5)
-    sbm = small.engine.block_manager
-    assert sbm.num_free_blocks == sbm.num_blocks
+    sbm = small.engine.pages
+    assert sbm.num_free_pages == sbm.num_pages
     del small
     torch.cuda.empty_cache()
 

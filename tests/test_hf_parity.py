@@ -33,13 +33,13 @@ def test_greedy_and_logits_match_transformers(checkpoints, name):
         assert rel < 1e-4, f"{name}: prompt {row} logits rel err {rel:.2e}"
     for rid in list(engine.requests):
         engine.abort(rid)
-    assert engine.block_manager.num_free_blocks == engine.cfg.num_blocks
+    assert engine.pages.num_free_pages == engine.cfg.num_pages
 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), name
         assert o.outputs[0].finish_reason == "length"
-    assert engine.block_manager.num_free_blocks == engine.cfg.num_blocks
+    assert engine.pages.num_free_pages == engine.cfg.num_pages
 
 
 def test_text_prompt_and_chat_template(checkpoints):

@@ -49,7 +49,7 @@ def assert_same_bits(a, b, what):
     assert torch.equal(bits(a), bits(b)), f"{what}: not bit-identical"
 
 
-def make_inputs(T, H, KVH, D, dtype, g, num_blocks, max_pos, device="cpu", pad_rows=()):
+def make_inputs(T, H, KVH, D, dtype, g, num_pages, max_pos, device="cpu", pad_rows=()):
     """q, k, v as views of one fused QKV output (the model's layout), positions, slots (distinct,
     shuffled over the pool; -1 at pad_rows) and a NaN-poisoned (k_cache, v_cache)."""
     qkv = (2 * torch.randn(T, (H + 2 * KVH) * D, generator=g, device=device)).to(dtype)
@@ -58,9 +58,9 @@ def make_inputs(T, H, KVH, D, dtype, g, num_blocks, max_pos, device="cpu", pad_r
     v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
     positions = torch.randint(0, max_pos, (T,), generator=g, device=device)
     positions[0] = max_pos - 1
-    slots = torch.randperm(num_blocks * PAGE, generator=g, device=device)[:T]
+    slots = torch.randperm(num_pages * PAGE, generator=g, device=device)[:T]
     slots[list(pad_rows)] = -1
-    caches = [torch.full((num_blocks, PAGE, KVH, D), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    caches = [torch.full((num_pages, PAGE, KVH, D), float("nan"), dtype=dtype, device=device) for _ in range(2)]
     return qkv, q, k, v, positions, slots, caches
 
 
@@ -108,7 +108,7 @@ def test_fused_matches_separate_kernels_and_reference(tokens, heads, kv_heads, h
     g = torch.Generator().manual_seed(tokens * head_dim + heads)
     pad = (3, 17, 36) if tokens > 1 else ()
     qkv, q, k, v, positions, slots, caches = make_inputs(tokens, heads, kv_heads, head_dim, BF16, g,
-                                                         num_blocks=-(-tokens // PAGE) + 3, max_pos=4096,
+                                                         num_pages=-(-tokens // PAGE) + 3, max_pos=4096,
                                                          pad_rows=pad)
     assert tokens == 1 or not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     before = qkv.clone()
@@ -121,7 +121,7 @@ def test_fp32_equals_the_reference_and_llama3_scaling():
                "original_max_position_embeddings": 1024}
     rope = RotaryEmbedding(64, 4096, 500000.0, scaling)
     g = torch.Generator().manual_seed(5)
-    _, q, k, v, positions, slots, caches = make_inputs(21, 8, 2, 64, FP32, g, num_blocks=4, max_pos=4096,
+    _, q, k, v, positions, slots, caches = make_inputs(21, 8, 2, 64, FP32, g, num_pages=4, max_pos=4096,
                                                        pad_rows=(0, 20))
     check_fused(q, k, v, positions, slots, caches, rope, "fp32")
 
@@ -131,7 +131,7 @@ def test_padding_row_alone_rotates_and_writes_nothing():
     touched."""
     rope = RotaryEmbedding(128, 64, 10000.0, None)
     g = torch.Generator().manual_seed(9)
-    _, q, k, v, positions, slots, caches = make_inputs(1, 4, 1, 128, BF16, g, num_blocks=2, max_pos=64,
+    _, q, k, v, positions, slots, caches = make_inputs(1, 4, 1, 128, BF16, g, num_pages=2, max_pos=64,
                                                        pad_rows=(0,))
     q1, k1, kc, vc = check_fused(q, k, v, positions, slots, caches, rope, "pad only")
     assert kc.isnan().all() and vc.isnan().all() and not (q1.isnan().any() or k1.isnan().any())
@@ -140,7 +140,7 @@ def test_padding_row_alone_rotates_and_writes_nothing():
 def test_rejects_bad_shapes():
     rope = RotaryEmbedding(64, 64, 10000.0, None)
     g = torch.Generator().manual_seed(1)
-    _, q, k, v, positions, slots, (kc, vc) = make_inputs(3, 4, 2, 64, FP32, g, num_blocks=1, max_pos=64)
+    _, q, k, v, positions, slots, (kc, vc) = make_inputs(3, 4, 2, 64, FP32, g, num_pages=1, max_pos=64)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots[:2])
     with pytest.raises(ValueError, match="v must"):
@@ -172,11 +172,11 @@ def test_attention_layer_rotates_through_its_backend():
     backend = dataclasses.replace(TORCH_BACKEND, rope_write_kv=spy_rope_write_kv, attend=spy_attend)
     layer = Attention(4, 2, 64, None, backend, rope)
     g = torch.Generator().manual_seed(3)
-    _, q, k, v, _, _, (kc, vc) = make_inputs(5, 4, 2, 64, FP32, g, num_blocks=1, max_pos=64)
+    _, q, k, v, _, _, (kc, vc) = make_inputs(5, 4, 2, 64, FP32, g, num_pages=1, max_pos=64)
     positions = torch.arange(5)
     meta = AttentionMetadata(slot_mapping=torch.arange(5), query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
                              seq_lens=torch.tensor([5], dtype=torch.int32),
-                             block_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc_cpu=[0, 5],
+                             page_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc_cpu=[0, 5],
                              seq_lens_cpu=[5], max_query_len=5, max_seq_len=5)
     layer(positions, q, k, v, (kc, vc), meta)
     args = seen["rope"]
@@ -202,7 +202,7 @@ def test_gpu_fused_matches_separate_kernels(tokens):
     pad = (0,) if tokens == 1 else (1, tokens // 2, tokens - 1)
     for pad_rows in ((), pad):
         _, q, k, v, positions, slots, caches = make_inputs(tokens, HEADS, KV_HEADS, HEAD_DIM, BF16, g,
-                                                           num_blocks=-(-tokens // PAGE) + 8, max_pos=MAX_POS,
+                                                           num_pages=-(-tokens // PAGE) + 8, max_pos=MAX_POS,
                                                            device="cuda", pad_rows=pad_rows)
         check_fused(q, k, v, positions, slots, caches, rope, f"T={tokens} pad={pad_rows} seed {seed}")
 
@@ -216,7 +216,7 @@ def test_gpu_fused_kernel_captures_in_a_cuda_graph_and_the_backend_uses_it():
     g, seed = fresh_generator()
     T = 8
     rope = RotaryEmbedding(HEAD_DIM, 4096, 500000.0, None).cuda()
-    qkv, q, k, v, positions, slots, caches = make_inputs(T, HEADS, KV_HEADS, HEAD_DIM, BF16, g, num_blocks=4,
+    qkv, q, k, v, positions, slots, caches = make_inputs(T, HEADS, KV_HEADS, HEAD_DIM, BF16, g, num_pages=4,
                                                          max_pos=4096, device="cuda")
     kc, vc = (c.clone() for c in caches)
 

@@ -22,7 +22,7 @@ def test_seeded_sampling_is_batch_invariant_and_seed_dependent(tiny_llm):
 
 
 def test_n_samples_share_the_prompt_and_differ(tiny_llm):
-    bm = tiny_llm.engine.block_manager
+    bm = tiny_llm.engine.pages
     prompt = prompt_of(21, salt=8)            # 21 tokens: the last page is partial and shared
     out = tiny_llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
                             use_tqdm=False)[0]
@@ -36,23 +36,23 @@ def test_n_samples_share_the_prompt_and_differ(tiny_llm):
     greedy = tiny_llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True),
                                use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_pages == bm.num_pages
 
 
 def test_fork_shares_pages_then_copies_on_write(tiny_llm):
     eng = tiny_llm.engine
-    bm = eng.block_manager
+    bm = eng.pages
     eng.add_request(prompt_of(21, salt=8), SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=8))
     eng.step()                                   # prefill + fork
     parent, child = eng.requests[next(iter(eng.requests))].seqs
-    assert parent.block_table == child.block_table
-    assert all(bm.ref_counts[b] == 2 for b in parent.block_table)
+    assert parent.page_table == child.page_table
+    assert all(bm.ref_counts[b] == 2 for b in parent.page_table)
     eng.step()                                   # both write into the shared partial page -> one copy
-    assert parent.block_table[0] == child.block_table[0]      # full page stays shared
-    assert parent.block_table[1] != child.block_table[1]      # partial page was copied
+    assert parent.page_table[0] == child.page_table[0]      # full page stays shared
+    assert parent.page_table[1] != child.page_table[1]      # partial page was copied
     for rid in list(eng.requests):
         eng.abort(rid)
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_pages == bm.num_pages
 
 
 def _batch(n, vocab, **kw):

@@ -120,7 +120,7 @@ def wait_pool_free(served: Served, timeout: float = 30) -> dict:
     while True:
         m = served.metrics()
         if (metric(m, "ridge_num_requests_running") == 0 and metric(m, "ridge_num_requests_waiting") == 0
-                and metric(m, "ridge_kv_cache_free_blocks") == metric(m, "ridge_kv_cache_blocks") > 0):
+                and metric(m, "ridge_kv_cache_free_pages") == metric(m, "ridge_kv_cache_pages") > 0):
             return m
         assert time.monotonic() < deadline, "the KV pool did not drain"
         time.sleep(0.05)
@@ -314,7 +314,7 @@ def test_metrics_move(server):
         metric(before, "ridge_http_request_errors_total", status="400") + 1
     assert metric(after, "ridge_engine_healthy") == 1
     assert metric(after, "ridge_kv_cache_usage_ratio") == 0.0
-    for name in ("ridge_num_requests_running", "ridge_num_requests_waiting", "ridge_kv_cache_blocks",
+    for name in ("ridge_num_requests_running", "ridge_num_requests_waiting", "ridge_kv_cache_pages",
                  "ridge_num_preemptions_total"):
         assert (name, ()) in after, name
 

@@ -39,8 +39,8 @@ def test_bad_input_names_parameter_and_engine_serves_on(tiny_llm, make, param):
             params = SamplingParams(**params)
         tiny_llm.generate([prompt_of(6, salt=2), prompt], [GOOD, params], use_tqdm=False)
     assert not tiny_llm.engine.requests              # the call's accepted request was withdrawn
-    bm = tiny_llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    bm = tiny_llm.engine.pages
+    assert bm.num_free_pages == bm.num_pages
     after = tiny_llm.generate([prompt_of(10, salt=1)], GOOD, use_tqdm=False)[0].outputs[0].token_ids
     assert after == before
 
@@ -50,7 +50,7 @@ def test_request_that_can_never_fit_the_cache_is_rejected(checkpoints):
     path = checkpoints("llama")
     probe = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20)
     llm = LLM(path, device="cpu", show_progress=False, max_model_len=512,
-              kv_cache_memory=4 * probe.engine.runner.kv_bytes_per_block())
+              kv_cache_memory=4 * probe.engine.runner.kv_bytes_per_page())
     with pytest.raises(ValueError, match="^max_tokens:.*KV pages"):
         llm.generate([prompt_of(40)], SamplingParams(max_tokens=40), use_tqdm=False)
     out = llm.generate([prompt_of(40)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -59,7 +59,7 @@ def test_request_that_can_never_fit_the_cache_is_rejected(checkpoints):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(block_size=0), "block_size"),
+    (dict(page_size=0), "page_size"),
     (dict(kv_cache_memory=1.5), "kv_cache_memory"),
     (dict(kv_cache_memory=100), "kv_cache_memory"),
     (dict(max_model_len=10**6), "max_model_len"),

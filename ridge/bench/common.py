@@ -199,7 +199,7 @@ def environment(engine) -> dict:
         model=cfg.model, dtype=str(cfg.dtype).removeprefix("torch."), device_type=cfg.device.type,
         attention_backend=getattr(backend, "name", None), max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        block_size=cfg.block_size, num_blocks=cfg.num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
+        page_size=cfg.page_size, num_pages=cfg.num_pages, enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=getattr(cfg, "enforce_eager", None), decode_cuda_graphs=len(graphs) if graphs else 0,
         decode_graph_capture_s=getattr(getattr(runner, "decode_graphs", None), "capture_seconds", None),
         prefill_warm_up_s=getattr(runner, "warm_up_seconds", None),

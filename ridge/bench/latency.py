@@ -105,10 +105,10 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
     engine = llm.engine
     cfg = engine.cfg
     check_latency_args(batch, input_len, output_len, num_iters, warmup_iters, cfg.max_model_len, cfg.max_num_seqs)
-    pages = batch * engine.block_manager.pages_for(input_len + output_len)
-    if pages > cfg.num_blocks:
+    pages = batch * engine.pages.pages_for(input_len + output_len)
+    if pages > cfg.num_pages:
         raise ValueError(f"batch-size: {batch} requests of {input_len + output_len} tokens need {pages} KV pages, "
-                         f"but the cache holds {cfg.num_blocks} (raise --kv-cache-memory or lower --batch-size)")
+                         f"but the cache holds {cfg.num_pages} (raise --kv-cache-memory or lower --batch-size)")
     if engine.has_unfinished():
         raise ValueError("engine: the latency benchmark needs an idle engine")
     prompts = RandomPrompts(engine.model_cfg.vocab_size, special_token_ids(engine.model_cfg, engine.tokenizer), seed)

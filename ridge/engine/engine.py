@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ridge.config import EngineConfig, ModelConfig
-from ridge.engine.block_manager import BlockManager
+from ridge.engine.pages import PageAllocator
 from ridge.engine.detokenizer import Detokenizer
 from ridge.engine.request import Logprob, Request, RequestOutput, Sequence, SeqStatus
 from ridge.engine.sampling_params import SamplingParams
@@ -36,8 +36,8 @@ class EngineStats:
     """A snapshot for metrics endpoints and benchmarks; counters are totals since start."""
     num_running: int
     num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
+    num_pages: int
+    num_free_pages: int
     kv_cache_usage: float          # fraction of pages held by a sequence (cached-free pages count as free)
     num_preemptions: int
     prompt_tokens: int             # prompt tokens computed (prefix-cache hits not counted)
@@ -49,8 +49,8 @@ class Engine:
         self.cfg, self.model_cfg, self.runner = cfg, model_cfg, runner
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.eos_ids = list(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
@@ -113,10 +113,10 @@ class Engine:
         if max_tokens > room:
             raise ValueError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
                              f"(max_model_len={max_len}, prompt={n_prompt})")
-        pages = self.block_manager.pages_for(n_prompt + max_tokens)
-        if pages > self.cfg.num_blocks:
+        pages = self.pages.pages_for(n_prompt + max_tokens)
+        if pages > self.cfg.num_pages:
             raise ValueError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} KV pages, "
-                             f"but the cache holds {self.cfg.num_blocks}")
+                             f"but the cache holds {self.cfg.num_pages}")
         return max_tokens
 
     def abort(self, request_id: str) -> None:
@@ -130,9 +130,9 @@ class Engine:
         return self.scheduler.has_work() or self.inflight is not None
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,
-                           bm.num_free_blocks, bm.usage(), self.scheduler.num_preemptions,
+        bm = self.pages
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_pages,
+                           bm.num_free_pages, bm.usage(), self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.generation_tokens)
 
     # -- the step loop ---------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class Engine:
         """The step's tokens are now in the cache: count them, and offer newly full pages."""
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_pages(item.seq)
+            self.pages.register_full_pages(item.seq)
 
     def _fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Which sequence each sampled token goes to. A request's first sample forks its other
@@ -226,7 +226,7 @@ class Engine:
             if seq.sample_index == 0 and seq.num_output_tokens == 0:
                 for child in seq.request.seqs[1:]:
                     if child.status == SeqStatus.UNBORN:
-                        self.block_manager.fork(seq, child)
+                        self.pages.fork(seq, child)
                         self.scheduler.add_forked(child)
                         seqs.append(child)
                         rows.append(row)

@@ -73,14 +73,14 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 4096, kv_cache_memory: int | float | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, seed: int = 0,
+                 page_size: int = 16, enable_prefix_caching: bool = True, seed: int = 0,
                  max_n: int = 64, attention_backend: str = "auto", show_progress: bool = True,
                  enforce_eager: bool = False, async_scheduling: bool = True):
         path = model if model is not None else default_model_path()
         if not os.path.isdir(path):
             raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size), ("max_n", max_n)):
+                            ("page_size", page_size), ("max_n", max_n)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         model_cfg = ModelConfig.from_dir(path)
@@ -91,14 +91,14 @@ class LLM:
                              f"(the model's max_position_embeddings), got {max_model_len!r}")
         cfg = EngineConfig(model=path, dtype=_resolve_dtype(dtype, model_cfg, dev), device=dev,
                            max_model_len=max_len, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                           num_blocks=0, enable_prefix_caching=enable_prefix_caching, seed=seed, max_n=max_n,
+                           max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+                           num_pages=0, enable_prefix_caching=enable_prefix_caching, seed=seed, max_n=max_n,
                            enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress, attention_backend=attention_backend)
-        cfg.num_blocks = _kv_budget(kv_cache_memory, dev) // runner.kv_bytes_per_block()
-        if cfg.num_blocks < 1:
+        cfg.num_pages = _kv_budget(kv_cache_memory, dev) // runner.kv_bytes_per_page()
+        if cfg.num_pages < 1:
             raise ValueError("kv_cache_memory: too small to hold a single KV page")
-        runner.allocate_kv_cache(cfg.num_blocks)
+        runner.allocate_kv_cache(cfg.num_pages)
         runner.warm_up_prefill()
         runner.setup_decode(use_graphs=not enforce_eager)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(path))

@@ -37,8 +37,8 @@ class Sequence:
     seed: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)   # hash chain of full pages computed so far
+    page_table: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)   # hash chain of full pages computed so far
     finish_reason: str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""

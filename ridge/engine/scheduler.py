@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ridge.engine.block_manager import BlockManager
+from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, Sequence, SeqStatus
 
 
@@ -38,7 +38,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -47,8 +47,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = block_manager
+    def __init__(self, pages: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pages = pages
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -70,21 +70,21 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.blocks.blocks_needed(seq, n) > self.blocks.num_free_blocks:
+            while self.pages.pages_needed(seq, n) > self.pages.num_free_pages:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break
-            self.blocks.allocate(seq, n)
+            self.pages.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(seq.seq_id)
             budget -= n
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.block_copies = self.blocks.take_pending_copies()
+        out.page_copies = self.pages.take_pending_copies()
         return out
 
     def schedule_decode(self, seqs: list[Sequence]) -> SchedulerOutput | None:
@@ -93,13 +93,13 @@ class Scheduler:
         if the budget or the pool falls short, None, and the regular schedule() decides once the
         previous step is known."""
         if len(seqs) > self.max_num_batched_tokens or \
-                sum(self.blocks.blocks_needed(s, 1) for s in seqs) > self.blocks.num_free_blocks:
+                sum(self.pages.pages_needed(s, 1) for s in seqs) > self.pages.num_free_pages:
             return None
         out = SchedulerOutput()
         for seq in seqs:
-            self.blocks.allocate(seq, 1)
+            self.pages.allocate(seq, 1)
             out.scheduled.append(ScheduledSeq(seq, 1))
-        out.block_copies = self.blocks.take_pending_copies()
+        out.page_copies = self.pages.take_pending_copies()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -110,14 +110,14 @@ class Scheduler:
             if len(self.running) + seats > self.max_num_seqs:
                 break
             # a request scoring its prompt must compute every prompt token: no cache hits
-            hits = [] if seq.request.params.prompt_logprobs else self.blocks.match_prefix(seq)
-            computed = len(hits) * self.blocks.block_size
+            hits = [] if seq.request.params.prompt_logprobs else self.pages.match_prefix(seq)
+            computed = len(hits) * self.pages.page_size
             n = min(seq.num_tokens - computed, budget)
-            if self.blocks.blocks_needed(seq, n, hits) > self.blocks.num_free_blocks:
+            if self.pages.pages_needed(seq, n, hits) > self.pages.num_free_pages:
                 break
             self.waiting.popleft()
-            self.blocks.take_hits(seq, hits)
-            self.blocks.allocate(seq, n)
+            self.pages.take_hits(seq, hits)
+            self.pages.allocate(seq, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
@@ -125,7 +125,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self.pages.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -140,7 +140,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self.pages.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 

@@ -11,7 +11,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor        # [T] int64: cache slot of each new token
     query_start_loc: torch.Tensor     # [B+1] int32: cumulative query lengths (device)
     seq_lens: torch.Tensor            # [B] int32: context length after this step (device)
-    block_tables: torch.Tensor        # [B, max_pages] int32: logical page -> physical page (device)
+    page_tables: torch.Tensor        # [B, max_pages] int32: logical page -> physical page (device)
     query_start_loc_cpu: list[int]    # host copies, so no backend has to synchronise to read them
     seq_lens_cpu: list[int]
     max_query_len: int

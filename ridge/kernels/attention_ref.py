@@ -1,9 +1,9 @@
 """Pure-torch paged attention: the CPU backend and the oracle every attention kernel must match.
 
-Layout of one layer's cache (a page = `block_size` consecutive token slots):
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-A token's slot is `block_id * block_size + offset`, so `cache.view(-1, kvh, d)[slot]` is its row.
-A page is then one contiguous `block_size * kvh * d` run: a decode kernel reads whole pages with
+Layout of one layer's cache (a page = `page_size` consecutive token slots):
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
+A token's slot is `page_id * page_size + offset`, so `cache.view(-1, kvh, d)[slot]` is its row.
+A page is then one contiguous `page_size * kvh * d` run: a decode kernel reads whole pages with
 wide, coalesced loads, and a slot write touches one row.
 
 The batch is flat: sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`, which
@@ -35,7 +35,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sequence: this is the readable reference, not the fast path.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
@@ -44,8 +44,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        n_pages = (ctx_len + block_size - 1) // block_size
-        pages = meta.block_tables[i, :n_pages].long()
+        n_pages = (ctx_len + page_size - 1) // page_size
+        pages = meta.page_tables[i, :n_pages].long()
         k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         # GQA: query head h reads kv head h // group.

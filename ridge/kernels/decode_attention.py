@@ -51,7 +51,7 @@ def _configs() -> list[triton.Config]:
 # 4.9 s had this).
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"])
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
-def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_loc, seq_lens,
+def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc, seq_lens,
                          qk_scale, window, num_splits, work_bucket, grid_bucket,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -84,7 +84,7 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, block_tables, query_start_lo
     h_ok = offs_h < GROUP
     q = tl.load(Q + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None], other=0.0)
-    bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
 
@@ -214,7 +214,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         o_part = torch.empty(n_part * head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_part, dtype=torch.float32, device=q.device)
-    bt = meta.block_tables
+    bt = meta.page_tables
     pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,

@@ -143,7 +143,7 @@ def _head_rows(base, first_row, head_offset, stride_t, num_rows, BLOCK: tl.const
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _prefill_kernel(Q, K_new, V_new, K, V, Out, block_tables, query_start_loc, seq_lens,
+def _prefill_kernel(Q, K_new, V_new, K, V, Out, page_tables, query_start_loc, seq_lens,
                     qk_scale, window,
                     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                     stride_ot, stride_oh,
@@ -182,7 +182,7 @@ def _prefill_kernel(Q, K_new, V_new, K, V, Out, block_tables, query_start_loc, s
 
     # 1. The cached prefix, positions [0, prefix): visible to every row (causally).
     q_pos = prefix + offs_m
-    bt_row = block_tables + seq.to(tl.int64) * stride_bt
+    bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
     lo = 0
@@ -274,7 +274,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     out = _tma_ready(result)
     if num_tokens == 0 or meta.num_seqs == 0:
         return result
-    bt = meta.block_tables
+    bt = meta.page_tables
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     # The allocator lives in a context variable: set it on every call, from whatever thread runs.
     triton.set_allocator(_descriptor_scratch)

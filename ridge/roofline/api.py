@@ -36,19 +36,19 @@ def build_llm(model: str | None, batches, context: int, prefill_len: int, prefil
     kw = dict(engine_kwargs)
     device = _resolve_device(kw.pop("device", "auto") or "auto")
     dtype = _resolve_dtype(kw.pop("dtype", "auto") or "auto", cfg, device)
-    bs = kw.pop("block_size", None) or 16
+    bs = kw.pop("page_size", None) or 16
     max_b = max(batches, default=0)
     pages = max(max_b * -(-context // bs) if batches else 0, prefill_batch * -(-prefill_len // bs),
                 -(-(need_len + 1) // bs)) + 1
-    block_bytes = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    kv = kw.pop("kv_cache_memory", None) or pages * block_bytes
+    page_bytes = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv = kw.pop("kv_cache_memory", None) or pages * page_bytes
     kw.pop("enable_prefix_caching", None)
     kw.pop("model", None)
     max_len = max(kw.pop("max_model_len", None) or 0, need_len)
     seqs = max(kw.pop("max_num_seqs", None) or 1, max_b, prefill_batch)
     tokens = max(kw.pop("max_num_batched_tokens", None) or 1, max_b * context, prefill_batch * prefill_len)
     return LLM(path, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=max_len,
-               max_num_seqs=seqs, max_num_batched_tokens=tokens, kv_cache_memory=kv, block_size=bs,
+               max_num_seqs=seqs, max_num_batched_tokens=tokens, kv_cache_memory=kv, page_size=bs,
                enable_prefix_caching=False, show_progress=False, **kw)
 
 
@@ -124,7 +124,7 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
         contexts = [c for c in (predict_contexts or DEFAULT_CONTEXTS) if c <= cfg.max_position_embeddings]
         contexts = contexts or [cfg.max_position_embeddings]
         predictions = predict_grid(cfg, ceilings, predict_batches, contexts, precisions, kv_budget,
-                                   ecfg.block_size, greedy=sampling == "greedy")
+                                   ecfg.page_size, greedy=sampling == "greedy")
         budget = kv_budget if kv_budget is not None else default_kv_budget(cfg, ceilings, precision)
     info = dict(architecture=cfg.architecture, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

@@ -17,7 +17,7 @@ a kernel is from the memory roof):
   - attention is 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K and P.V); the
     softmax's few FLOPs per pair are left out, as in FlashAttention's own accounting; it reads
     Q, writes O and reads each sequence's K/V context once (GQA: once per KV head);
-  - integer index tensors (token ids, positions, slots, block tables) move at most 8 bytes a
+  - integer index tensors (token ids, positions, slots, page tables) move at most 8 bytes a
     token and are left out;
   - RMSNorm: x*x, accumulate, scale by 1/rms, scale by the weight: 4 FLOPs an element, +1 for
     the residual add; the final norm's residual output is never read, so it is not written;

@@ -14,7 +14,7 @@ preparation). Each op runs inside a named range; nesting is kept, and an op's ti
     minus the kernels' busy time is launch/idle time (host work, launch gaps, synchronisation).
 
 Steps are built through the engine itself: requests added to the real scheduler, which
-allocates pages and block tables; `ModelRunner.execute` and `ModelRunner.sample` run them. A
+allocates pages and page tables; `ModelRunner.execute` and `ModelRunner.sample` run them. A
 decode step's context is made without running its prefill: the scheduler admits the prompts,
 the sequences are advanced as the engine would after a prefill, and the KV pool holds random
 values, so the decode step reads `context` real pages per sequence (timing does not depend on

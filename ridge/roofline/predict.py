@@ -99,7 +99,7 @@ class PredictionRow:
 
 
 def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS,
-            precisions=DEFAULT_PRECISIONS, kv_budget: float | None = None, block_size: int = 16,
+            precisions=DEFAULT_PRECISIONS, kv_budget: float | None = None, page_size: int = 16,
             greedy: bool = True) -> list[PredictionRow]:
     rows = []
     for pname in precisions:
@@ -108,8 +108,8 @@ def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, conte
         p = PRECISIONS[pname]
         budget = default_kv_budget(cfg, ceilings, p) if kv_budget is None else kv_budget
         for ctx in contexts:
-            pages = -(-ctx // block_size)
-            per_seq = pages * block_size * kv_bytes_per_token(cfg, p)
+            pages = -(-ctx // page_size)
+            per_seq = pages * page_size * kv_bytes_per_token(cfg, p)
             max_batch = int(budget // per_seq)
             for b in batches:
                 pre = predicted_step_s(cfg, ceilings, StepShape.prefill(b, ctx, p, greedy))

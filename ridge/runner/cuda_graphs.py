@@ -46,16 +46,16 @@ class DecodeInputs:
     positions: list[int]
     slots: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    page_tables: list[list[int]]
 
 
 class DecodeGraphs:
-    def __init__(self, model, layer_caches, max_num_seqs: int, max_model_len: int, block_size: int,
+    def __init__(self, model, layer_caches, max_num_seqs: int, max_model_len: int, page_size: int,
                  device: torch.device):
         self.model, self.layer_caches, self.device = model, layer_caches, device
         self.buckets = batch_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
-        self.max_pages = -(-max_model_len // block_size)
+        self.max_pages = -(-max_model_len // page_size)
         self.max_model_len = max_model_len
         B, P = self.max_bs, self.max_pages
         # int64 staging: [input_ids | positions | slots | source rows of ids still on the device];
@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
         self.query_start_loc = self.dev32[:B + 1]
         self.seq_lens = self.dev32[B + 1:2 * B + 1]
-        self.block_tables = self.dev32[2 * B + 1:].view(B, P)
+        self.page_tables = self.dev32[2 * B + 1:].view(B, P)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -80,7 +80,7 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs], page_tables=self.page_tables[:bs],
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs,
             max_query_len=1, max_seq_len=self.max_model_len)
 
@@ -116,7 +116,7 @@ class DecodeGraphs:
         self.slots.fill_(-1)
         self.query_start_loc.copy_(torch.arange(self.max_bs + 1, dtype=torch.int32, device=self.device))
         self.seq_lens.fill_(1)
-        self.block_tables.zero_()
+        self.page_tables.zero_()
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -146,7 +146,7 @@ class DecodeGraphs:
         h32[n + 1:bs + 1] = n
         h32[B + 1:B + 1 + n] = torch.tensor(step.seq_lens, dtype=torch.int32)
         h32[B + 1 + n:B + 1 + bs] = 1
-        for i, t in enumerate(step.block_tables):     # numpy view of the pinned buffer: cheap row writes
+        for i, t in enumerate(step.page_tables):     # numpy view of the pinned buffer: cheap row writes
             tables[i, :len(t)] = t
         self.dev64.copy_(h64, non_blocking=True)
         rows = 2 * B + 1 + bs * P                          # only the rows this bucket reads

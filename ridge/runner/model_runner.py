@@ -2,7 +2,7 @@
 forward pass and samples.
 
 The flat batch: the new tokens of every scheduled sequence laid end to end (token ids,
-positions, cache slots), plus per sequence its query start, context length and block table.
+positions, cache slots), plus per sequence its query start, context length and page table.
 Host-side lists are built first and moved to the device in one copy each.
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ class ForwardOutput:
     prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
 
 
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+def slot_of(page_table: list[int], position: int, page_size: int) -> int:
     """The cache slot of a token: row position % page of the page holding it."""
-    return block_table[position // block_size] * block_size + position % block_size
+    return page_table[position // page_size] * page_size + position % page_size
 
 
 def _plain_greedy(seq: Sequence) -> bool:
@@ -65,14 +65,14 @@ class ModelRunner:
         self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._landing_turn = 0
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
-        return 2 * m.num_layers * self.cfg.block_size * m.num_kv_heads * m.head_dim * self.cfg.dtype.itemsize
+        return 2 * m.num_layers * self.cfg.page_size * m.num_kv_heads * m.head_dim * self.cfg.dtype.itemsize
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_pages: int) -> None:
         """One pool for all layers: [layers, 2 (K, V), pages, page size, kv heads, head dim]."""
         m = self.model_cfg
-        self.kv_cache = torch.empty(m.num_layers, 2, num_blocks, self.cfg.block_size, m.num_kv_heads,
+        self.kv_cache = torch.empty(m.num_layers, 2, num_pages, self.cfg.page_size, m.num_kv_heads,
                                     m.head_dim, dtype=self.cfg.dtype, device=self.device)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
 
@@ -83,7 +83,7 @@ class ModelRunner:
         if self.backend.name != "triton":
             return
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
-                                          self.cfg.max_model_len, self.cfg.block_size, self.device)
+                                          self.cfg.max_model_len, self.cfg.page_size, self.device)
         if use_graphs and self.device.type == "cuda":
             self.decode_graphs.capture()
         else:
@@ -104,7 +104,7 @@ class ModelRunner:
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, -(-n // self.cfg.block_size), dtype=torch.int32, device=self.device),
+            page_tables=torch.zeros(1, -(-n // self.cfg.page_size), dtype=torch.int32, device=self.device),
             query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
         hidden = self.model(ids, torch.arange(n, device=self.device), self.layer_caches, meta)
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
@@ -119,7 +119,7 @@ class ModelRunner:
         g = self.decode_graphs
         if g is None or len(sched.scheduled) > g.max_bs:
             return None
-        bs = self.cfg.block_size
+        bs = self.cfg.page_size
         step = DecodeInputs([], [], [], [], [])
         for item in sched.scheduled:
             seq = item.seq
@@ -128,33 +128,33 @@ class ModelRunner:
             p = item.start
             step.input_ids.append(seq.token_ids[p])
             step.positions.append(p)
-            step.slots.append(slot_of(seq.block_table, p, bs))
+            step.slots.append(slot_of(seq.page_table, p, bs))
             step.seq_lens.append(p + 1)
-            step.block_tables.append(seq.block_table)
+            step.page_tables.append(seq.page_table)
         return step
 
     def prepare(self, sched: SchedulerOutput):
-        bs = self.cfg.block_size
+        bs = self.cfg.page_size
         input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
         for item in sched.scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             input_ids += seq.token_ids[start:start + n]
             pos = range(start, start + n)
             positions += pos
-            table = seq.block_table
+            table = seq.page_table
             slots += [slot_of(table, p, bs) for p in pos]
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
-        max_pages = max(len(item.seq.block_table) for item in sched.scheduled)
-        tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in sched.scheduled]
+        max_pages = max(len(item.seq.page_table) for item in sched.scheduled)
+        tables = [item.seq.page_table + [0] * (max_pages - len(item.seq.page_table)) for item in sched.scheduled]
         to_dev = self.to_device
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots, torch.int64),
             query_start_loc=to_dev(starts, torch.int32),
             seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(tables, torch.int32),
+            page_tables=to_dev(tables, torch.int32),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
             max_query_len=max(item.num_new_tokens for item in sched.scheduled),
@@ -168,7 +168,7 @@ class ModelRunner:
         pinned = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src = self.to_device([s for s, _ in copies], torch.int64)
             dst = self.to_device([d for _, d in copies], torch.int64)
@@ -183,7 +183,7 @@ class ModelRunner:
         `previous` = (sampled ids of the step before, still on the device; for each row of this
         step the index of its input id in there): the overlapped decode, scheduled before those
         ids reached the host. Only the static decode path takes its input ids from the device."""
-        self.copy_blocks(sched.block_copies)
+        self.copy_pages(sched.page_copies)
         decode = self.decode_inputs(sched)
         if decode is not None:
             return ForwardOutput(self.decode_graphs.run(decode, previous), static_decode=True)

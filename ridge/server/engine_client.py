@@ -243,7 +243,7 @@ class EngineClient:
                 batch.append((sink, EngineItem(rid, None, now, error=message)))
             self._sinks.clear()
             st = engine.stats()
-            healthy = not engine.has_unfinished() and st.num_free_blocks == st.num_blocks
+            healthy = not engine.has_unfinished() and st.num_free_pages == st.num_pages
         except Exception:               # noqa: BLE001
             log.exception("engine recovery failed")
             healthy = False

@@ -44,9 +44,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("ridge_kv_cache_usage_ratio",
                                 "fraction of KV pages held by sequences (prefix-cached free pages count as free)",
                                 value=st.kv_cache_usage)
-        yield GaugeMetricFamily("ridge_kv_cache_blocks", "KV pages in the pool", value=st.num_blocks)
-        yield GaugeMetricFamily("ridge_kv_cache_free_blocks", "KV pages not held by any sequence",
-                                value=st.num_free_blocks)
+        yield GaugeMetricFamily("ridge_kv_cache_pages", "KV pages in the pool", value=st.num_pages)
+        yield GaugeMetricFamily("ridge_kv_cache_free_pages", "KV pages not held by any sequence",
+                                value=st.num_free_pages)
         yield CounterMetricFamily("ridge_num_preemptions", "sequences preempted for lack of KV pages",
                                   value=st.num_preemptions)
         yield CounterMetricFamily("ridge_prompt_tokens", "prompt tokens computed (prefix-cache hits excluded)",

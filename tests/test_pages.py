@@ -1,7 +1,7 @@
 """The page allocator on its own: ref counts, prefix hits, copy-on-write, eviction."""
 import pytest
 
-from ridge.engine.block_manager import BlockManager
+from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, Sequence
 from ridge.engine.sampling_params import SamplingParams
 
@@ -21,26 +21,26 @@ def computed_seq(bm, tokens):
 
 
 def test_allocate_free_and_refcounts():
-    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    bm = PageAllocator(8, 4, enable_prefix_caching=True)
     s = seq(range(10))
-    assert bm.blocks_needed(s, 10) == 3
+    assert bm.pages_needed(s, 10) == 3
     bm.allocate(s, 10)
-    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    assert len(s.page_table) == 3 and bm.num_free_pages == 5
     bm.free(s)
-    assert bm.num_free_blocks == 8 and all(c == 0 for c in bm.ref_counts)
+    assert bm.num_free_pages == 8 and all(c == 0 for c in bm.ref_counts)
     with pytest.raises(RuntimeError):
         bm._unref(0)
 
 
 def test_prefix_hits_leave_one_token_and_survive_free():
-    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    bm = PageAllocator(8, 4, enable_prefix_caching=True)
     a = computed_seq(bm, range(12))
-    pages = list(a.block_table)
+    pages = list(a.page_table)
     bm.free(a)
     b = seq(range(12), sid=1)
     hits = bm.match_prefix(b)
     assert hits == pages[:2]                    # the third page would leave nothing to compute
-    assert bm.blocks_needed(b, 4, hits) == 1 + 2  # one new page + two hits taken out of the free queue
+    assert bm.pages_needed(b, 4, hits) == 1 + 2  # one new page + two hits taken out of the free queue
     bm.take_hits(b, hits)
     assert b.num_computed_tokens == 8 and bm.ref_counts[pages[0]] == 1
     c = seq(list(range(4)) + [99] * 8, sid=2)
@@ -48,25 +48,25 @@ def test_prefix_hits_leave_one_token_and_survive_free():
 
 
 def test_fork_and_copy_on_write():
-    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    bm = PageAllocator(8, 4, enable_prefix_caching=False)
     p = seq(range(6))
     bm.allocate(p, 6)
     p.num_computed_tokens = 6
     child = seq(range(6), sid=1)
     bm.fork(p, child)
-    assert bm.ref_counts[p.block_table[1]] == 2
+    assert bm.ref_counts[p.page_table[1]] == 2
     p.token_ids.append(50)
-    assert bm.blocks_needed(p, 1) == 1
+    assert bm.pages_needed(p, 1) == 1
     bm.allocate(p, 1)
-    assert bm.take_pending_copies() == [(child.block_table[1], p.block_table[1])]
-    assert bm.ref_counts[child.block_table[1]] == 1 and bm.ref_counts[p.block_table[0]] == 2
+    assert bm.take_pending_copies() == [(child.page_table[1], p.page_table[1])]
+    assert bm.ref_counts[child.page_table[1]] == 1 and bm.ref_counts[p.page_table[0]] == 2
     bm.free(p)
     bm.free(child)
-    assert bm.num_free_blocks == 8
+    assert bm.num_free_pages == 8
 
 
 def test_reused_page_is_evicted_from_the_cache():
-    bm = BlockManager(2, 4, enable_prefix_caching=True)
+    bm = PageAllocator(2, 4, enable_prefix_caching=True)
     a = computed_seq(bm, range(8))
     bm.free(a)
     assert len(bm.cached) == 2

@@ -1,7 +1,7 @@
 """The page allocator of the paged KV cache.
 
-The cache is one pool of `num_blocks` pages of `block_size` token slots, allocated once. A
-sequence's block table maps its logical pages to physical ones. Pages are reference counted:
+The cache is one pool of `num_pages` pages of `page_size` token slots, allocated once. A
+sequence's page table maps its logical pages to physical ones. Pages are reference counted:
   - prefix caching: a full page is named by a hash chained from its parent page's hash and its
     own tokens; a later request whose prompt starts with the same tokens takes the same pages;
   - forked samples (n > 1) share the prompt's pages; a shared page about to be written is
@@ -24,27 +24,27 @@ def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool):
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.ref_counts = [0] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_pages))
         self.cached: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
     # -- accounting -------------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
+    def num_free_pages(self) -> int:
         return len(self.free_queue)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return -(-num_tokens // self.page_size)
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_pages / self.num_pages
 
     # -- prefix caching -----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -53,77 +53,77 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            parent = chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block = self.cached.get(parent)
-            if block is None:
+        for i in range((seq.num_tokens - 1) // self.page_size):
+            parent = chain_hash(parent, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            page = self.cached.get(parent)
+            if page is None:
                 break
-            hits.append(block)
+            hits.append(page)
         return hits
 
     def register_full_pages(self, seq: Sequence) -> None:
         """Hash the pages that became full with this step's tokens and offer them to others."""
-        full = seq.num_computed_tokens // self.block_size
-        while len(seq.block_hashes) < full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            seq.block_hashes.append(h)
-            block = seq.block_table[i]
-            if self.enable_prefix_caching and h not in self.cached and self.block_hash[block] is None:
-                self.cached[h] = block
-                self.block_hash[block] = h
+        full = seq.num_computed_tokens // self.page_size
+        while len(seq.page_hashes) < full:
+            i = len(seq.page_hashes)
+            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            h = chain_hash(parent, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            seq.page_hashes.append(h)
+            page = seq.page_table[i]
+            if self.enable_prefix_caching and h not in self.cached and self.page_hash[page] is None:
+                self.cached[h] = page
+                self.page_hash[page] = h
 
     # -- allocation ---------------------------------------------------------------------------
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
+    def pages_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Fresh pages to hold `num_new_tokens` more tokens: new pages, copies of shared pages
         that will be written, and cached hits that must come out of the free queue."""
-        table = seq.block_table or list(hits)
-        start = seq.num_computed_tokens or len(hits) * self.block_size
+        table = seq.page_table or list(hits)
+        start = seq.num_computed_tokens or len(hits) * self.page_size
         end = start + num_new_tokens
         needed = max(0, self.pages_for(end) - len(table))
-        for i in range(start // self.block_size, min(len(table), self.pages_for(end))):
+        for i in range(start // self.page_size, min(len(table), self.pages_for(end))):
             if self.ref_counts[table[i]] > 1:
                 needed += 1
-        if not seq.block_table:
+        if not seq.page_table:
             needed += sum(1 for b in hits if self.ref_counts[b] == 0)
         return needed
 
     def take_hits(self, seq: Sequence, hits: list[int]) -> None:
-        assert not seq.block_table
+        assert not seq.page_table
         for b in hits:
             self._ref(b)
-        seq.block_table = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.block_hashes = [self.block_hash[b] for b in hits]
+        seq.page_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.page_size
+        seq.page_hashes = [self.page_hash[b] for b in hits]
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make pages for tokens [num_computed, num_computed + num_new_tokens) exist and be
-        private to `seq`. The caller has checked blocks_needed() <= num_free_blocks."""
+        private to `seq`. The caller has checked pages_needed() <= num_free_pages."""
         end = seq.num_computed_tokens + num_new_tokens
-        for i in range(seq.num_computed_tokens // self.block_size, min(len(seq.block_table), self.pages_for(end))):
-            old = seq.block_table[i]
+        for i in range(seq.num_computed_tokens // self.page_size, min(len(seq.page_table), self.pages_for(end))):
+            old = seq.page_table[i]
             if self.ref_counts[old] > 1:                   # copy-on-write
                 new = self._pop_free()
                 self.pending_copies.append((old, new))
                 self._unref(old)
-                seq.block_table[i] = new
-        while len(seq.block_table) < self.pages_for(end):
-            seq.block_table.append(self._pop_free())
+                seq.page_table[i] = new
+        while len(seq.page_table) < self.pages_for(end):
+            seq.page_table.append(self._pop_free())
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        for b in parent.block_table:
+        for b in parent.page_table:
             self._ref(b)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        child.page_table = list(parent.page_table)
+        child.page_hashes = list(parent.page_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         # Tail pages first into the queue, so a sequence's prefix outlives its tail in the cache.
-        for b in reversed(seq.block_table):
+        for b in reversed(seq.page_table):
             self._unref(b)
-        seq.block_table = []
-        seq.block_hashes = []
+        seq.page_table = []
+        seq.page_hashes = []
         seq.num_computed_tokens = 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -132,23 +132,23 @@ class BlockManager:
 
     # -- internals ----------------------------------------------------------------------------
     def _pop_free(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
-        h = self.block_hash[block]
+        page, _ = self.free_queue.popitem(last=False)
+        h = self.page_hash[page]
         if h is not None:                                   # evict from the prefix cache
-            if self.cached.get(h) == block:
+            if self.cached.get(h) == page:
                 del self.cached[h]
-            self.block_hash[block] = None
-        self.ref_counts[block] = 1
-        return block
+            self.page_hash[page] = None
+        self.ref_counts[page] = 1
+        return page
 
-    def _ref(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
-            del self.free_queue[block]
-        self.ref_counts[block] += 1
+    def _ref(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            del self.free_queue[page]
+        self.ref_counts[page] += 1
 
-    def _unref(self, block: int) -> None:
-        if self.ref_counts[block] <= 0:
-            raise RuntimeError(f"block {block} freed more often than it was taken")
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self.free_queue[block] = None
+    def _unref(self, page: int) -> None:
+        if self.ref_counts[page] <= 0:
+            raise RuntimeError(f"page {page} freed more often than it was taken")
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            self.free_queue[page] = None
