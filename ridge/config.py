@@ -154,3 +154,5 @@ class EngineConfig:
     max_n: int
     enforce_eager: bool = False      # no CUDA graphs for decode (they are CUDA-only anyway)
     async_scheduling: bool = True    # overlap a decode step's host work with the previous step's GPU work
+    attention_backend: str = "auto"
+    load_format: str = "auto"

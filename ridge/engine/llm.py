@@ -93,8 +93,9 @@ class LLM:
                            max_model_len=max_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
                            num_pages=0, enable_prefix_caching=enable_prefix_caching, seed=seed, max_n=max_n,
-                           enforce_eager=enforce_eager, async_scheduling=async_scheduling)
-        runner = ModelRunner(cfg, model_cfg, show_progress=show_progress, attention_backend=attention_backend)
+                           enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                           attention_backend=attention_backend)
+        runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
         cfg.num_pages = _kv_budget(kv_cache_memory, dev) // runner.kv_bytes_per_page()
         if cfg.num_pages < 1:
             raise ValueError("kv_cache_memory: too small to hold a single KV page")

@@ -49,7 +49,8 @@ def _param_slot(model: torch.nn.Module, name: str):
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend, max_position: int, show_progress: bool = True) -> torch.nn.Module:
+               backend: AttentionBackend, max_position: int, show_progress: bool = True,
+               load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
     cls = model_class(cfg.architecture)
     with torch.device(device):
         default = torch.get_default_dtype()

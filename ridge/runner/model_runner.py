@@ -49,13 +49,13 @@ def _plain_greedy(seq: Sequence) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True,
-                 attention_backend: str = "auto"):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = cfg.device
-        self.backend = select_backend(cfg.device, attention_backend, model_cfg.head_dim)
+        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
-                                max_position=max(cfg.max_model_len, 1), show_progress=show_progress)
+                                max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
+                                load_format=cfg.load_format, seed=cfg.seed)
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.warm_up_seconds = 0.0
