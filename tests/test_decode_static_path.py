@@ -55,9 +55,9 @@ def test_overlapped_decode_matches_synchronous(checkpoints):
                 for p, out in zip(base, sync)]
     for params in (base, stopping):
         expected = _outputs(llms[False], prompts, params)
-        before = llms[True].engine.overlapped_steps
+        before = llms[True].engine.stats().num_overlapped_steps
         assert _outputs(llms[True], prompts, params) == expected
-        assert llms[True].engine.overlapped_steps > before
+        assert llms[True].engine.stats().num_overlapped_steps > before
     assert any(reason == "stop" for out in _outputs(llms[False], prompts, stopping) for _, reason in out)
     for llm in llms.values():                   # every page back in the pool
         st = llm.engine.stats()
@@ -90,4 +90,32 @@ def test_overlapped_decode_abort_and_late_arrival(checkpoints):
         results[mode] = done
         st = eng.stats()
         assert st.num_free_pages == st.num_pages
+        assert (st.num_overlapped_steps > 0) == mode      # streaming callers (step() each turn) overlap too
     assert results[True] == results[False] and set(results[True]) == {"a", "c"}
+
+
+@pytest.mark.slow
+def test_overlap_engages_with_logprobs_and_full_seats(checkpoints):
+    """Requests asking for logprobs overlap too (the logprob tensors ride with the ids), with the
+    same tokens and logprobs as synchronous mode; a request waiting for a seat does not stop the
+    running ones from overlapping. stats() reports the fraction of decode steps overlapped."""
+    path = checkpoints("llama")
+    runs = {}
+    for mode in (False, True):
+        llm = LLM(path, device="cpu", show_progress=False, max_model_len=48, max_num_seqs=2,
+                  attention_backend="triton", async_scheduling=mode)
+        prompts = [[5, 9, 13], [7] * 9, [3, 4]]
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
+                  SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=5, max_tokens=10, ignore_eos=True,
+                                 logprobs=1),
+                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]    # waits for a seat
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[mode] = [(c.token_ids, [{t: (round(lp.logprob, 5), lp.rank) for t, lp in e.items()} for e in c.logprobs or []])
+                      for o in outs for c in o.outputs]
+        st = llm.engine.stats()
+        assert st.num_free_pages == st.num_pages
+        if mode:
+            assert st.num_overlapped_steps > 0 and 0 < st.overlap_fraction <= 1
+        else:
+            assert st.num_overlapped_steps == 0 and st.overlap_fraction == 0
+    assert runs[True] == runs[False]

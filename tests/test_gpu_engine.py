@@ -158,7 +158,7 @@ def test_5_cuda_graphs_change_nothing(big):
                      async_scheduling=overlap)
         assert (engine.engine.runner.decode_graphs.graphs != {}) == (not eager)
         results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
-        assert (engine.engine.overlapped_steps > 0) == overlap
+        assert (engine.engine.stats().num_overlapped_steps > 0) == overlap
         del engine
         torch.cuda.empty_cache()
     assert results[0] == results[1] == results[2]

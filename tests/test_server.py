@@ -315,7 +315,8 @@ def test_metrics_move(server):
     assert metric(after, "ridge_engine_healthy") == 1
     assert metric(after, "ridge_kv_cache_usage_ratio") == 0.0
     for name in ("ridge_num_requests_running", "ridge_num_requests_waiting", "ridge_kv_cache_pages",
-                 "ridge_num_preemptions_total"):
+                 "ridge_num_preemptions_total", "ridge_decode_steps_total", "ridge_overlapped_decode_steps_total",
+                 "ridge_decode_overlap_ratio"):
         assert (name, ()) in after, name
 
 

@@ -131,9 +131,23 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
 
-    def add_forked(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+    def fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """Which sequence each sampled token goes to, and the logits row it is drawn from. A
+        request's first sample forks its other samples here: they share the prompt's pages
+        (copy-on-write) and draw from the same logits row, and run on their own from now on."""
+        seqs, rows = [], []
+        for row, seq in enumerate(sampling):
+            seqs.append(seq)
+            rows.append(row)
+            if seq.sample_index == 0 and seq.num_output_tokens == 0:
+                for child in seq.request.seqs[1:]:
+                    if child.status == SeqStatus.UNBORN:
+                        self.pages.fork(seq, child)
+                        child.status = SeqStatus.RUNNING
+                        self.running.append(child)
+                        seqs.append(child)
+                        rows.append(row)
+        return seqs, rows
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == SeqStatus.RUNNING:

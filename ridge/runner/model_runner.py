@@ -4,6 +4,10 @@ forward pass and samples.
 The flat batch: the new tokens of every scheduled sequence laid end to end (token ids,
 positions, cache slots), plus per sequence its query start, context length and page table.
 Host-side lists are built first and moved to the device in one copy each.
+
+The runner sits below the engine and imports nothing from it: a step arrives as the scheduler's
+output, read through its fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`,
+`samples`; `page_copies`), and a sequence through `token_ids`, `page_table`, `request.params`.
 """
 from __future__ import annotations
 
@@ -14,8 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ridge.config import EngineConfig, ModelConfig
-from ridge.engine.request import Sequence
-from ridge.engine.scheduler import SchedulerOutput
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
@@ -34,7 +36,7 @@ class ForwardOutput:
     logits: torch.Tensor                        # [rows that sample, vocab] float32
     static_decode: bool = False                 # served by the static decode path (graph replay)
     # (sequence, prompt positions, log p(token at position | tokens before)) for scoring requests
-    prompt_logprobs: list[tuple[Sequence, list[int], list[float]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[object, list[int], list[float]]] = field(default_factory=list)
 
 
 def slot_of(page_table: list[int], position: int, page_size: int) -> int:
@@ -42,7 +44,7 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
     return page_table[position // page_size] * page_size + position % page_size
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def _plain_greedy(seq) -> bool:
     p = seq.request.params
     return (p.temperature == 0 and p.logprobs is None and not p.uses_penalties
             and seq.num_output_tokens >= p.min_tokens)
@@ -113,7 +115,7 @@ class ModelRunner:
         log.info("prefill warm-up (%d tokens) in %.1f s", n, self.warm_up_seconds)
 
     # -- batch preparation ----------------------------------------------------------------------
-    def decode_inputs(self, sched: SchedulerOutput) -> DecodeInputs | None:
+    def decode_inputs(self, sched) -> DecodeInputs | None:
         """The step as a pure decode batch (every sequence adds its one last token and samples),
         or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
         g = self.decode_graphs
@@ -133,7 +135,7 @@ class ModelRunner:
             step.page_tables.append(seq.page_table)
         return step
 
-    def prepare(self, sched: SchedulerOutput):
+    def prepare(self, sched):
         bs = self.cfg.page_size
         input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
         for item in sched.scheduled:
@@ -175,7 +177,7 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput,
+    def execute(self, sched,
                 previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
         for requests that score their prompt.
@@ -238,12 +240,12 @@ class ModelRunner:
 
     # -- sampling -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]):
+    def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
         if all(_plain_greedy(s) for s in seqs):   # one argmax launch, no per-row parameters
             return logits.argmax(dim=-1), None
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
 
-    def sampling_batch(self, seqs: list[Sequence], vocab: int, eos_ids: list[int]) -> SamplingBatch:
+    def sampling_batch(self, seqs: list, vocab: int, eos_ids: list[int]) -> SamplingBatch:
         """Per-row parameters as device tensors. Every host->device copy goes through pinned
         memory without blocking, so building the batch never waits for the GPU."""
         to_dev = self.to_device

@@ -52,6 +52,13 @@ class _EngineCollector:
         yield CounterMetricFamily("ridge_prompt_tokens", "prompt tokens computed (prefix-cache hits excluded)",
                                   value=st.prompt_tokens)
         yield CounterMetricFamily("ridge_generation_tokens", "tokens generated", value=st.generation_tokens)
+        yield CounterMetricFamily("ridge_decode_steps", "decode steps served by the static (CUDA-graph) path",
+                                  value=st.num_decode_steps)
+        yield CounterMetricFamily("ridge_overlapped_decode_steps",
+                                  "decode steps launched before the previous step's ids were read back",
+                                  value=st.num_overlapped_steps)
+        yield GaugeMetricFamily("ridge_decode_overlap_ratio", "overlapped / decode steps since start (0 before any)",
+                                value=st.overlap_fraction or 0.0)
 
 
 class ServerMetrics:

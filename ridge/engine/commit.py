@@ -1,0 +1,77 @@
+"""Committing sampled tokens: append each to its sequence (or fill the placeholder an overlapped
+step left), record log-probabilities, detokenize, and decide whether the token ends the
+sequence (stop token, stop string, max_tokens, context length)."""
+from __future__ import annotations
+
+import time
+
+from ridge.engine.request import Logprob, Request, Sequence
+
+
+class Committer:
+    def __init__(self, max_model_len: int, eos_ids: list[int], detokenizer, scheduler):
+        self.max_model_len, self.eos_ids = max_model_len, eos_ids
+        self.detokenizer, self.scheduler = detokenizer, scheduler
+        self.generation_tokens = 0
+
+    def commit(self, seqs: list[Sequence], tokens: list[int], info,
+               indices: list[int] | None = None) -> list[Request]:
+        """Commit one token per sequence; returns the requests that got one. With `indices` the
+        tokens fill the placeholders at those positions (an overlapped step), and a sequence
+        finished meanwhile is skipped. `info`: the sampler's logprob tensors (on the host), or None."""
+        touched = {}
+        now = time.monotonic()
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            req = seq.request
+            if indices is None:
+                seq.token_ids.append(tok)
+                length = len(seq.token_ids)
+            else:
+                if seq.is_finished:
+                    continue
+                seq.token_ids[indices[i]] = tok
+                seq.num_pending -= 1
+                length = indices[i] + 1
+            req.first_token_time = req.first_token_time or now
+            if seq.logprobs is not None:
+                seq.logprobs.append(self.logprob_entry(info, i, tok, req.params.logprobs))
+            reason = self.finish_reason(seq, tok, length)
+            if reason is not None:
+                del seq.token_ids[length:]          # a later step's placeholder, if one was launched
+                seq.num_pending = 0
+                self.scheduler.finish(seq, reason)
+            touched[req.request_id] = req
+            self.generation_tokens += 1
+        for req in touched.values():
+            if req.is_finished:
+                req.finished_time = now
+        return list(touched.values())
+
+    def finish_reason(self, seq: Sequence, tok: int, length: int) -> str | None:
+        """Why `tok`, the sequence's token number `length`, ends it (None: it does not)."""
+        params = seq.request.params
+        num_output = length - seq.num_prompt_tokens
+        if tok in (params.stop_token_ids or []) or (not params.ignore_eos and tok in self.eos_ids):
+            return "stop"     # min_tokens is enforced by banning these tokens until then
+        if seq.detokenizer is not None:
+            before = len(seq.text)
+            seq.text += self.detokenizer.step(seq.detokenizer, tok)
+            if params.stop_strings and num_output >= params.min_tokens:
+                # a stop string can only end inside the new piece: search from just before it
+                start = max(0, before - max(map(len, params.stop_strings)) + 1)
+                hits = [i for s in params.stop_strings if (i := seq.text.find(s, start)) >= 0]
+                if hits:
+                    seq.text = seq.text[:min(hits)]
+                    return "stop"
+        if num_output >= seq.request.max_tokens or length >= self.max_model_len:
+            return "length"
+        return None
+
+    def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
+        chosen, rank, top_v, top_i = info
+        decode = self.detokenizer.token_text if self.detokenizer is not None else (lambda t: None)
+        entry = {tok: Logprob(float(chosen[i]), int(rank[i]), decode(tok))}
+        if k:
+            for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):
+                entry.setdefault(t, Logprob(v, r, decode(t)))
+        return entry

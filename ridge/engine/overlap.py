@@ -1,0 +1,90 @@
+"""Overlapped decode (async scheduling): keep the GPU busy while the host commits tokens.
+
+Reading a step's sampled ids back makes the host wait for the GPU, and the next step's host
+work (scheduling, batch building, launching) then leaves the GPU idle. So a decode step whose
+rows need nothing from the host but their ids leaves the ids on the GPU: the host's token lists
+get placeholders (PENDING, counted by `Sequence.num_pending`), and the ids and the sampler's
+log-probability tensors start copying into pinned host memory. On the engine's next step the
+following decode step is scheduled and launched first, its input ids gathered on the device,
+and only then does the host wait for the earlier ids and commit them: the wait overlaps the
+step just launched.
+
+A sequence that the earlier token finishes (a stop token, a stop string) has had one extra
+token computed; it is discarded. Sequences the earlier token finishes by length are known in
+advance and left out. Penalties read the host's token history, so rows using them run
+synchronously; so does any step that must admit, preempt or fork (the regular schedule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ridge.engine.request import Sequence, SeqStatus
+from ridge.engine.sampling_params import SamplingParams
+from ridge.engine.scheduler import Scheduler, SchedulerOutput
+
+PENDING = -1    # a token id still on the GPU
+
+
+@dataclass
+class InflightStep:
+    """A decode step whose sampled ids have not been read back yet."""
+    seqs: list[Sequence]              # one per sampled row
+    tokens: torch.Tensor              # [rows] int64 on the device: the next step's inputs
+    host: torch.Tensor                # their host copy, valid once `done` has completed
+    info: tuple | None                # the sampler's logprob tensors, copying to the host likewise
+    done: object                      # torch.cuda.Event, or None where the copy is synchronous
+    indices: list[int]                # the token_ids index each row's id fills
+    sched: SchedulerOutput            # advanced (pages registered) once the ids before it are known
+
+
+def overlappable(params: SamplingParams) -> bool:
+    """Sampling that needs no host-side token history."""
+    return not params.uses_penalties
+
+
+class DecodeOverlap:
+    def __init__(self, scheduler: Scheduler, runner, max_model_len: int, eos_ids: list[int]):
+        self.scheduler, self.runner = scheduler, runner
+        self.max_model_len, self.eos_ids = max_model_len, eos_ids
+        self.inflight: InflightStep | None = None
+        self.num_overlapped_steps = 0     # decode steps launched before the previous step's ids were read
+
+    def leave_on_device(self, seqs: list[Sequence], tokens: torch.Tensor, info, sched: SchedulerOutput) -> None:
+        if info is not None:              # queued before the tokens' copy, whose event then covers them
+            info = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in info)
+        host, done = self.runner.tokens_to_host(tokens)
+        indices = []
+        for seq in seqs:
+            indices.append(len(seq.token_ids))
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+        self.inflight = InflightStep(seqs, tokens, host, info, done, indices, sched)
+
+    def launch_ahead(self) -> InflightStep | None:
+        """Take the in-flight step, first launching the decode step after it if that can be
+        decided now: only when its sequences are all that runs and no waiting request could be
+        admitted (admission and preemption need the regular schedule), and without the sequences
+        its token ends by length. Returns the step taken; the step launched is in flight."""
+        prev, self.inflight = self.inflight, None
+        sched = self.scheduler
+        live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]
+        admissible = sched.waiting and len(sched.running) < sched.max_num_seqs
+        if admissible or not live or len(live) != len(sched.running):
+            return prev
+        seqs = [s for s in live if s.num_output_tokens < s.request.max_tokens and s.num_tokens < self.max_model_len]
+        step = sched.schedule_decode(seqs) if seqs else None
+        if step is None:
+            return prev
+        row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        fwd = self.runner.execute(step, (prev.tokens, [row[s.seq_id] for s in seqs]))
+        tokens, info = self.runner.sample(fwd.logits, seqs, self.eos_ids)
+        self.leave_on_device(seqs, tokens, info, step)
+        self.num_overlapped_steps += 1
+        return prev
+
+    def drop_if_finished(self) -> None:
+        """After an abort: nothing is left to commit if every row of the in-flight step ended."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.seqs):
+            self.inflight = None
