@@ -108,7 +108,9 @@ def _row_rstd(X, Res, ResOut, offs_m, m_mask, eps, stride_xm, stride_xk, stride_
     program) because no program may wait for another; program 0 alone also stores x + residual,
     the residual stream the next layer reads."""
     offs_k = tl.arange(0, BLOCK_K)
-    first = tl.program_id(0) == 0
+    # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar comparison as
+    # int32, which it then refuses as a mask
+    first = True & (tl.program_id(0) == 0)
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
         k = k0 + offs_k

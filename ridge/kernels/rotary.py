@@ -98,7 +98,9 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Sl
     to_cache = False
     if WRITE_KV:
         slot = tl.load(Slots + tok).to(tl.int64)
-        to_cache = slot >= 0
+        # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar
+        # comparison as int32, which it then refuses as a mask
+        to_cache = True & (slot >= 0)
         k_row = slot_row(KCache, slot, stride_kcb, stride_kct, PAGE)
         # v is only copied: its load is issued first and its store comes last, so its memory
         # latency overlaps the cos/sin gather and the rotation instead of adding to them
