@@ -25,15 +25,13 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ridge.bench.common import fmt, switched_on  # noqa: E402
-from ridge.kernels import pdl as pdl_switch  # noqa: E402
+from ridge.bench.common import fmt  # noqa: E402
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
 from ridge.kernels.decode_attention import _decode_split_kernel, choose_num_splits, decode_attention  # noqa: E402
 from ridge.kernels.prefill_attention import _prefill_kernel, prefill_attention  # noqa: E402
 from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 PAGE, HEAD_DIM, DT = 16, 128, torch.bfloat16
-PDL_SWITCH = (("ridge.kernels.pdl", "ENABLED"),)
 
 
 def bench_ms(fn) -> float:
@@ -158,20 +156,12 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     res["best_config"] = str(_decode_split_kernel.best_config)  # the autotuner's pick for this shape
     res["ridge_ms"] = bench_graph_ms(run)
     res["ridge_ms_again"] = bench_graph_ms(run)
-    # the same kernels with programmatic dependent launch (ridge/kernels/pdl.py; off by default
-    # until measured): each kernel is launched while the one before it still runs
-    with switched_on(PDL_SWITCH):
-        res["ridge_pdl_ms"] = bench_graph_ms(run) if pdl_switch.use_pdl(q) else None
-    # the split count is the decode kernel's main lever: time a few around the heuristic's choice,
-    # without and with PDL (which hides part of the merge's launch, so its best count may differ)
+    # the split count is the decode kernel's main lever: time a few around the heuristic's choice
     frac = lambda ms: kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
     res["splits_sweep"] = {}
     for s in sweep:
         at_s = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=s)  # noqa: E731
-        row = {"frac": frac(bench_graph_ms(at_s))}
-        with switched_on(PDL_SWITCH):
-            row["pdl_frac"] = frac(bench_graph_ms(at_s)) if pdl_switch.use_pdl(q) else None
-        res["splits_sweep"][s] = row
+        res["splits_sweep"][s] = {"frac": frac(bench_graph_ms(at_s))}
     qg = q.view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")
     for b in range(B):  # float32 reference, one sequence at a time to bound memory
@@ -182,7 +172,7 @@ def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sw
     sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
     res["sdpa_eager_ms"] = try_peer("sdpa decode", sdpa)
     res["sdpa_ms"] = try_peer("sdpa decode (graph)", sdpa, bench_graph_ms)
-    for name in ("ridge", "ridge_pdl", "sdpa"):
+    for name in ("ridge", "sdpa"):
         ms = res.get(f"{name}_ms")
         res[f"{name}_GBps"] = None if ms is None else kv_bytes / (ms * 1e-3) / 1e9
         res[f"{name}_frac_copy_bw"] = None if ms is None else res[f"{name}_GBps"] / copy_gbps
@@ -231,7 +221,7 @@ def main() -> None:
               f"{r['ridge_rel_err']:>9.2e}")
         print(f"      autotune pick: {r['best_config']}")
     print("decode bf16, 32 q / 8 kv heads, D=128, page 16, CUDA-graph replays   (GB/s, fraction of copy bandwidth)")
-    print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'GB/s':>6} {'frac':>5} {'PDL us':>9} {'frac':>5} "
+    print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'GB/s':>6} {'frac':>5} "
           f"{'sdpa us':>8} {'GB/s':>6} {'frac':>5} {'rel_err':>9}")
     for r in result["decode"]:
         sdpa_us = None if r["sdpa_ms"] is None else r["sdpa_ms"] * 1e3
@@ -239,13 +229,11 @@ def main() -> None:
               f"eager: ridge {r['ridge_eager_ms'] * 1e3:.1f} us, sdpa {fmt(r['sdpa_eager_ms'] and r['sdpa_eager_ms'] * 1e3, '.1f')} us")
         print(f"{r['B']:>4} {r['L']:>6} {r['num_splits']:>6} {r['ridge_ms'] * 1e3:>9.1f} "
               f"{fmt(r['ridge_GBps'], '.0f'):>6} {fmt(r['ridge_frac_copy_bw'], '.2f'):>5} "
-              f"{fmt(r.get('ridge_pdl_ms') and r['ridge_pdl_ms'] * 1e3, '.1f'):>9} "
-              f"{fmt(r.get('ridge_pdl_frac_copy_bw'), '.2f'):>5} "
               f"{fmt(sdpa_us, '.1f'):>8} {fmt(r['sdpa_GBps'], '.0f'):>6} "
               f"{fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} {r['ridge_rel_err']:>9.2e}")
         if r["splits_sweep"]:
-            print("      splits -> frac of copy bw (with PDL): " + "  ".join(
-                f"{s}:{w['frac']:.2f} ({fmt(w['pdl_frac'], '.2f')})" for s, w in r["splits_sweep"].items()))
+            print("      splits -> frac of copy bw: " + "  ".join(
+                f"{s}:{w['frac']:.2f}" for s, w in r["splits_sweep"].items()))
 
 
 if __name__ == "__main__":

@@ -40,14 +40,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ridge.bench.common import device_name, format_table, switched_on, sync, write_json  # noqa: E402
+from ridge.bench.common import device_name, format_table, sync, write_json  # noqa: E402
 from ridge.bench.datasets import BenchRequest, RandomPrompts, special_token_ids, synthetic_requests  # noqa: E402
 
 PARTS = ("latency", "throughput", "workload")
-# opt-in decode levers not yet on by default: (module, switch) each variant turns on
-VARIANTS = {"pdl": (("ridge.kernels.pdl", "ENABLED"),),
-            "fuse_norm": (("ridge.layers.norm", "FUSE_INTO_PROJECTION"),),
-            "pdl+fuse_norm": (("ridge.kernels.pdl", "ENABLED"), ("ridge.layers.norm", "FUSE_INTO_PROJECTION"))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,10 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="read each decode step's ids back before launching the next step")
     g.add_argument("--latency-also-sync", action="store_true",
                    help="(a) also with async scheduling off, same engine (recorded as ridge-sync)")
-    g.add_argument("--latency-variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                   help="(a) again with these switches on, decode graphs re-captured in the same engine "
-                        "(recorded as ridge-VARIANT): pdl = programmatic dependent launch, fuse_norm = the "
-                        "layer norms computed inside the GEMVs they feed")
     g = ap.add_argument_group("(a) latency")
     g.add_argument("--latency-input-len", type=int, default=128)
     g.add_argument("--latency-output-len", type=int, default=256)
@@ -153,14 +145,6 @@ def run_ridge(a, model: str, record) -> None:
                                 a.latency_warmup, seed=a.seed, temperature=0.0, progress=not a.no_progress)
                 record("latency", "ridge-sync", r)
                 engine.cfg.async_scheduling = True
-            for variant in a.latency_variants:
-                with switched_on(VARIANTS[variant]):
-                    engine.runner.setup_decode(use_graphs=not a.enforce_eager)   # capture with the switches on
-                    r = run_latency(llm, 1, a.latency_input_len, a.latency_output_len, a.latency_iters,
-                                    a.latency_warmup, seed=a.seed, temperature=0.0, progress=not a.no_progress)
-                record("latency", f"ridge-{variant}", r)
-            if a.latency_variants:
-                engine.runner.setup_decode(use_graphs=not a.enforce_eager)       # back to the defaults
         if "throughput" in a.parts:
             n, li, lo = a.throughput_num_prompts, a.throughput_input_len, a.throughput_output_len
             print(f"[ridge] (b) throughput: {n} requests, {li} -> {lo}", flush=True)
@@ -278,7 +262,7 @@ def table(results: dict, a) -> str:
             itl = (r.get("itl_s") or {}).get("median")
             rows.append([name, "(a) ITL median ms / MBU", f(itl and itl * 1e3, ".2f") + " / " + f(r.get("mbu"), ".1%"),
                          "", ""])
-            for key, label in [("ridge-sync", "async off"), *((f"ridge-{v}", v) for v in a.latency_variants)]:
+            for key, label in [("ridge-sync", "async off")]:
                 s = lat.get(key)
                 if s:
                     itl = (s.get("itl_s") or {}).get("median")

@@ -9,15 +9,9 @@
   rmsnorm           norm(x) * w                bytes: read x; write out; read w
   qk_norm           Qwen3 per-head q and k norm on the strided q/k views of a QKV output
   silu_and_mul      [T, 2I] -> [T, I]          bytes: read 2I, write I per token
-  rotary            q and k views of a QKV output, out of place; reads T position ids and the
-                    T half-rows of the fp32 cos and sin tables the kernel needs
   rope_kv_write     what the engine runs every layer: rotary on q and k plus the rotated k and v
                     written to T random slots of a paged cache (page 16), one kernel. bytes: read
                     q, k, v, the positions, slots and table half-rows; write q, k and the K/V rows.
-                    Also timed: its separate-kernel peer, apply_rotary then write_kv ("separate",
-                    bitwise equal by contract), with do_bench and, as in a decode step, replayed
-                    from a CUDA graph (do_bench_cudagraph: many calls in one graph, mean per call,
-                    no L2 flush), where the second kernel's launch gap is what fusion removes
 
 Minimum bytes are the bytes the operation must move (each input read once, each output
 written once); GB/s = minimum bytes / time, and `frac` = that / the device's copy bandwidth,
@@ -38,18 +32,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ridge.bench.common import fmt  # noqa: E402
-from ridge.kernels.kv_write import write_kv  # noqa: E402
-from ridge.kernels.rmsnorm import rms_norm  # noqa: E402
-from ridge.kernels.rotary import apply_rotary, rope_write_kv  # noqa: E402
-from ridge.kernels.silu_mul import silu_and_mul  # noqa: E402
-from ridge.layers.activation import silu_and_mul_ref  # noqa: E402
-from ridge.layers.norm import rms_norm_ref  # noqa: E402
-from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref, rope_write_kv_ref  # noqa: E402
+from ridge.kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref  # noqa: E402
+from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from ridge.layers.rotary import RotaryEmbedding  # noqa: E402
 from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 4096, 14336, 32, 8, 128, 131072
 DT = torch.bfloat16
-CASES = ("rmsnorm_residual", "rmsnorm", "qk_norm", "silu_and_mul", "rotary", "rope_kv_write")
+CASES = ("rmsnorm_residual", "rmsnorm", "qk_norm", "silu_and_mul", "rope_kv_write")
 PAGE = 16
 
 
@@ -91,7 +82,7 @@ def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
             return rms_norm_ref(s, w, 1e-5), s
         return ((lambda: rms_norm(x, w, 1e-5, r, out=out, residual_out=res_out)), ref,
                 (4 * T * HIDDEN + HIDDEN) * e, {})
-    if name in ("qk_norm", "rotary", "rope_kv_write"):
+    if name in ("qk_norm", "rope_kv_write"):
         qkv = rnd(T, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
         q = qkv[:, :HEADS * HEAD_DIM].view(T, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(T, KV_HEADS, HEAD_DIM)
@@ -104,32 +95,23 @@ def make_case(name: str, T: int, g: torch.Generator, rope: RotaryEmbedding):
                     heads_bytes + 2 * HEAD_DIM * e, {})
         pos = torch.randint(0, MAX_POS, (T,), generator=g, device="cuda")
         table_bytes = T * pos.element_size() + T * HEAD_DIM * rope.cos.element_size()
-        if name == "rotary":
-            return ((lambda: apply_rotary(pos, q, k, rope.cos, rope.sin, q_out=qo, k_out=ko)),
-                    (lambda: apply_rotary_ref(pos, q, k, rope.cos, rope.sin)), heads_bytes + table_bytes, {})
         v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(T, KV_HEADS, HEAD_DIM)
         # slots 0..T-1 in shuffled order: scattered rows, and `rows` (the first T slots of each
         # cache) is exactly what a call writes, so the outputs compared are the written rows
         slots = torch.randperm(T, generator=g, device="cuda")
-        caches = [torch.zeros(-(-T // PAGE), PAGE, KV_HEADS, HEAD_DIM, dtype=DT, device="cuda") for _ in range(6)]
+        caches = [torch.zeros(-(-T // PAGE), PAGE, KV_HEADS, HEAD_DIM, dtype=DT, device="cuda") for _ in range(4)]
         rows = [c.view(-1, KV_HEADS, HEAD_DIM)[:T] for c in caches]
-        qo2, ko2 = torch.empty_like(qo), torch.empty_like(ko)
 
         def fused():
             rope_write_kv(pos, q, k, v, rope.cos, rope.sin, caches[0], caches[1], slots, q_out=qo, k_out=ko)
             return qo, ko, rows[0], rows[1]
 
-        def separate():
-            apply_rotary(pos, q, k, rope.cos, rope.sin, q_out=qo2, k_out=ko2)
-            write_kv(ko2, v, caches[2], caches[3], slots)
-            return qo2, ko2, rows[2], rows[3]
-
         def ref():
-            return (*rope_write_kv_ref(pos, q, k, v, rope.cos, rope.sin, caches[4], caches[5], slots),
-                    rows[4], rows[5])
-        # + read v, write the K/V rows, read the slots (k is read once: the separate write re-reads it)
+            return (*rope_write_kv_ref(pos, q, k, v, rope.cos, rope.sin, caches[2], caches[3], slots),
+                    rows[2], rows[3])
+        # + read v, write the K/V rows, read the slots
         kv_bytes = 3 * T * KV_HEADS * HEAD_DIM * e + T * slots.element_size()
-        return fused, ref, heads_bytes + table_bytes + kv_bytes, {"separate": separate}
+        return fused, ref, heads_bytes + table_bytes + kv_bytes, {}
     if name == "silu_and_mul":
         x = rnd(T, 2 * INTER, scale=4.0)
         out = torch.empty(T, INTER, dtype=DT, device="cuda")

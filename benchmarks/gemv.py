@@ -148,7 +148,7 @@ def ridge_fns(c, ops: Operands, config=None):
 def cublas_fns(c, ops: Operands):
     import torch.nn.functional as F
 
-    from ridge.layers.activation import silu_and_mul
+    from ridge.kernels.silu_mul import silu_and_mul
     if c["act"] == "silu_mul":
         return [(lambda i=i: F.linear(silu_and_mul(ops.x[i]), ops.w[i % ops.copies])) for i in range(ops.calls)]
     return [(lambda i=i: F.linear(ops.x[i], ops.w[i % ops.copies])) for i in range(ops.calls)]

@@ -2,14 +2,13 @@
 # One device call that runs the GPU checks and benchmarks named in PARTS (comma-separated), in
 # the order given below, each under its own timeout; one log ($OUT/run.log) and the JSON under
 # $OUT (the device tool brings back at most 8 files):
-#   kernels     pytest -m gpu on every kernel's test file (attention, fused, gemv, rope+kv write, PDL)
+#   kernels     pytest -m gpu on every kernel's test file (attention, fused, gemv, rope+kv write)
 #   attention   benchmarks/attention.py (prefill and decode vs SDPA / Flex)
-#   decode      benchmarks/attention.py --only decode, with and without PDL; SPLITS="32 64 128" adds
+#   decode      benchmarks/attention.py --only decode; SPLITS="32 64 128" adds
 #               a B=1 split-count sweep
 #   gemv        benchmarks/gemv.py (ridge's small-batch GEMV vs cuBLAS at the 8B / 0.6B shapes)
 #   fused       benchmarks/fused_kernels.py
-#   latency     benchmarks/fast_path.py (a) on the 8B shape: default, async scheduling off, and the
-#               opt-in levers (PDL, norms fused into the GEMVs, both), graphs re-captured per variant
+#   latency     benchmarks/fast_path.py (a) on the 8B shape: default and async scheduling off
 #   fastpath    benchmarks/fast_path.py (a)-(c) on the 8B shape, HF transformers in the same run
 #   qwen        benchmarks/fast_path.py (a) and (c) on a Qwen3-0.6B-shaped checkpoint (ridge only)
 #   engine      pytest -m gpu tests/test_gpu_engine.py (transformers parity, graphs on / off)
@@ -28,7 +27,7 @@ if has latency || has fastpath || has engine || has roofline; then
 fi
 if has kernels; then
   timeout ${KERNEL_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_attention_kernels.py tests/test_fused_kernels.py \
-    tests/test_gemv.py tests/test_rope_kv_write.py tests/test_pdl.py 2>&1 | tee -a "$OUT/run.log" | tail -4
+    tests/test_gemv.py tests/test_rope_kv_write.py 2>&1 | tee -a "$OUT/run.log" | tail -4
 fi
 if has attention; then
   timeout 240 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/run.log" | tail -20
@@ -46,7 +45,7 @@ fi
 wait
 if has latency; then
   timeout 300 python3 benchmarks/fast_path.py --model "$CKPT" --only latency --no-hf --no-progress --latency-also-sync \
-    --latency-variants ${VARIANTS:-pdl fuse_norm pdl+fuse_norm} --max-num-seqs ${MAX_SEQS:-256} \
+    --max-num-seqs ${MAX_SEQS:-256} \
     --json "$OUT/latency_8b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -10
 fi
 if has fastpath; then

@@ -301,27 +301,6 @@ def test_fast_path_smoke(tiny, tmp_path, capsys):
         assert label in table
 
 
-def test_fast_path_latency_variants_recorded_and_switches_restored(tiny, tmp_path, capsys):
-    """--latency-variants: (a) again per variant with its switches on (no-ops on a CPU, where
-    neither PDL nor the fused norm applies), each recorded and shown; the switches are restored."""
-    from ridge.kernels import pdl
-    from ridge.layers import norm
-    spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "fast_path.py"))
-    fast_path = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fast_path)
-    before = (pdl.ENABLED, norm.FUSE_INTO_PROJECTION)
-    path = tmp_path / "fp.json"
-    rc = fast_path.main(["--model", tiny, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "4e6",
-                         "--only", "latency", "--no-hf", "--latency-input-len", "8", "--latency-output-len", "3",
-                         "--latency-iters", "1", "--latency-warmup", "0", "--attention-backend", "triton",
-                         "--latency-variants", "pdl", "pdl+fuse_norm", "--json", str(path)])
-    assert rc == 0 and (pdl.ENABLED, norm.FUSE_INTO_PROJECTION) == before
-    lat = json.loads(path.read_text())["models"][tiny]["latency"]
-    assert lat["ridge-pdl"]["output_tokens_per_iter"] == lat["ridge-pdl+fuse_norm"]["output_tokens_per_iter"] == [3]
-    out = capsys.readouterr().out
-    assert "(a) pdl: decode tok/s" in out and "(a) pdl+fuse_norm: decode tok/s" in out
-
-
 def test_fast_path_rejects_unknown_part(tiny, capsys):
     spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "fast_path.py"))
     fast_path = importlib.util.module_from_spec(spec)

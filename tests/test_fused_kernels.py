@@ -24,13 +24,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from ridge.kernels.rmsnorm import rms_norm  # noqa: E402
-from ridge.kernels.rotary import apply_rotary  # noqa: E402
-from ridge.kernels.silu_mul import silu_and_mul  # noqa: E402
+from ridge.kernels.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
+from ridge.kernels.rotary import apply_rotary_ref, rope_write_kv  # noqa: E402
+from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from ridge.layers import activation, norm  # noqa: E402
-from ridge.layers.activation import silu_and_mul_ref  # noqa: E402
-from ridge.layers.norm import RMSNorm, rms_norm_ref  # noqa: E402
-from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref  # noqa: E402
+from ridge.layers.activation import SiluAndMul  # noqa: E402
+from ridge.layers.norm import RMSNorm  # noqa: E402
+from ridge.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests_support import capture_cuda_graph  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -43,6 +43,13 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def _cpu_tests_need_the_interpreter(request):
     if "gpu" not in request.keywords and not INTERPRET:
         pytest.skip("CPU-tensor kernel tests run under TRITON_INTERPRET=1")
+
+
+def apply_rotary(positions, q, k, cos, sin, q_out=None, k_out=None):
+    """The rotation alone: the engine's rope_write_kv with every slot negative (nothing cached)."""
+    cache = torch.empty(1, 1, *k.shape[1:], dtype=k.dtype, device=k.device)
+    slots = torch.full((k.shape[0],), -1, dtype=torch.int64, device=k.device)
+    return rope_write_kv(positions, q, k, k, cos, sin, cache, cache, slots, q_out=q_out, k_out=k_out)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -294,13 +301,13 @@ def test_layers_use_the_reference_on_cpu(monkeypatch):
     (Rotary is applied by the attention backend: tests/test_rope_kv_write.py.)"""
     def boom(*a, **kw):
         raise AssertionError("Triton path taken for a CPU tensor")
-    monkeypatch.setattr(norm, "rms_norm_triton", boom)
-    monkeypatch.setattr(activation, "silu_and_mul_triton", boom)
+    monkeypatch.setattr(norm, "rms_norm", boom)
+    monkeypatch.setattr(activation, "silu_and_mul", boom)
     layer = RMSNorm(32, 1e-6)
     layer.weight.data.fill_(1.0)
     x = torch.randn(3, 32)
     layer(x), layer(x, x)
-    activation.silu_and_mul(torch.randn(3, 8))
+    SiluAndMul()(torch.randn(3, 8))
 
 
 # ------------------------------------------------------------------------------- GPU, real shapes
@@ -409,12 +416,12 @@ def test_gpu_kernels_capture_in_cuda_graphs_and_layers_dispatch(monkeypatch):
 
     # the layers, on CUDA tensors, go through the kernels (counted) and return what they return
     calls = []
-    for mod, name, fn in ((norm, "rms_norm_triton", rms_norm), (activation, "silu_and_mul_triton", silu_and_mul)):
+    for mod, name, fn in ((norm, "rms_norm", rms_norm), (activation, "silu_and_mul", silu_and_mul)):
         assert getattr(mod, name) is fn
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     layer = RMSNorm(HIDDEN, 1e-5).cuda().to(BF16)
     layer.weight.data.copy_(w)
     o, r = layer(x, res)
     assert torch.equal(o, out) and torch.equal(r, res_out)
-    assert torch.equal(activation.silu_and_mul(gu), act)
-    assert calls == ["rms_norm_triton", "silu_and_mul_triton"]
+    assert torch.equal(SiluAndMul()(gu), act)
+    assert calls == ["rms_norm", "silu_and_mul"]

@@ -26,9 +26,9 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, GemvConfig, gemv, gemv_config, gemv_ref  # noqa: E402
-from ridge.kernels.silu_mul import silu_and_mul  # noqa: E402
+from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from ridge.layers import linear  # noqa: E402
-from ridge.layers.activation import silu_and_mul_ref  # noqa: E402
+from ridge.layers.activation import SiluAndMul  # noqa: E402
 from ridge.layers.linear import Linear  # noqa: E402
 from tests_support import capture_cuda_graph  # noqa: E402
 
@@ -136,127 +136,30 @@ def test_gemv_rejects_bad_arguments():
         gemv(x, w, config=(8, 32, 1, 1, True))
 
 
-def test_heuristic_configs():
+def test_heuristic_configs(monkeypatch):
     """Hopper heuristic (checked without a GPU): every Llama-3-8B / Qwen3-0.6B shape gets a valid
     config, M = 1 on the FMA path and M >= 2 on tensor cores with one warp per 16 rows, and the
     grid covers 132 SMs twice wherever the minimum block width allows it."""
-    import ridge.kernels.gemv as gk
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
               (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
-    interp, gk._INTERPRET = gk._INTERPRET, False
-    try:
-        for N, K in shapes:
-            for M in (1, 2, 4, 8):
-                c = gemv_config(M, N, K, 132)
-                assert c.dot == (M > 1)
-                assert K % c.block_k == 0 and c.block_n & (c.block_n - 1) == 0
-                if c.dot:
-                    assert c.num_warps == c.block_n // 16 and c.block_k >= 16
-                else:
-                    assert c.block_n * c.block_k <= 8192       # 64 accumulator registers / thread
-                assert -(-N // c.block_n) >= 264 or c.block_n == (16 if c.dot else 8)
-    finally:
-        gk._INTERPRET = interp
-
-
-# ------------------------------------------------------------------ act="rms_norm" (RIDGE_FUSE_NORM)
-@interpreted
-@pytest.mark.parametrize("path", ["fma", "dot"])
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("M", [1, 3])
-def test_gemv_rms_norm_matches_the_unfused_kernels(M, dtype, with_residual, path):
-    """The norm computed inside the GEMV: the residual sum written by program 0 exactly as the
-    RMSNorm kernel writes it, and the product equal to RMSNorm then the GEMV up to the rms (its
-    sum of squares is added in another order: a flipped rounding of a normalised element at most)."""
-    from ridge.kernels.rmsnorm import rms_norm
-    N, K = 72, 200
-    g = gen(7 * M + with_residual)
-    x = (2 * torch.randn(M, K, generator=g)).to(dtype)
-    res = (2 * torch.randn(M, K, generator=g)).to(dtype) if with_residual else None
-    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
-    cfg = FMA if path == "fma" else DOT
-    res_out = torch.full((M, K), float("nan"), dtype=dtype) if with_residual else None
-    y = gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res, residual_out=res_out, config=cfg)
-    if with_residual:
-        h, expect_res = rms_norm(x, nw, 1e-5, res)
-        assert torch.equal(res_out, expect_res)
-    else:
-        h = rms_norm(x, nw, 1e-5)
-    unfused = gemv(h, w, config=cfg)
-    tol = 2.0**-6 if dtype == BF16 else 1e-5
-    torch.testing.assert_close(y, unfused, atol=tol, rtol=tol)
-    ref = gemv_ref(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res)
-    torch.testing.assert_close(y.float(), ref.float(), atol=4 * tol, rtol=4 * tol)
-
-
-@interpreted
-def test_gemv_rms_norm_rejects_bad_arguments():
-    x, w, nw = torch.randn(1, 32), torch.randn(16, 32), torch.randn(32)
-    r = torch.randn(1, 32)
-    with pytest.raises(ValueError, match="norm_weight"):
-        gemv(x, w, act="rms_norm")
-    with pytest.raises(ValueError, match="norm_weight"):
-        gemv(x, w, act="rms_norm", norm_weight=torch.randn(31))
-    with pytest.raises(ValueError, match="together"):
-        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r)
-    with pytest.raises(ValueError, match="buffer of its own"):
-        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r, residual_out=r)
-    with pytest.raises(ValueError, match="residual_out"):
-        gemv(x, w, act="rms_norm", norm_weight=nw, residual=r, residual_out=torch.empty(2, 32))
-    with pytest.raises(ValueError, match="go with act"):
-        gemv(x, w, norm_weight=nw)
-
-
-@interpreted
-def test_decoder_layer_with_norms_fused_into_its_projections(monkeypatch):
-    """RIDGE_FUSE_NORM's wiring, on CPU tensors through the interpreter: each layer norm hands a
-    PendingNorm to its projection, which computes it inside the GEMV; hidden state and residual
-    match the unfused layer to fp32 rounding (the rms's sum is added in another order)."""
-    from ridge.layers import norm as norm_mod
-    from ridge.layers.attention import TORCH_BACKEND
-    from ridge.layers.rotary import RotaryEmbedding
-    from ridge.models.llama import LlamaDecoderLayer
-    from ridge.config import ModelConfig
-    from ridge.kernels.attention_meta import AttentionMetadata
-    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
-                                     intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, rms_norm_eps=1e-5))
-    layer = LlamaDecoderLayer(cfg, RotaryEmbedding(cfg.head_dim, 64, 10000.0, None), TORCH_BACKEND)
-    g = gen(11)
-    for p in layer.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0))
-    x, res = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
-    positions = torch.tensor([5])
-
-    def run():
-        cache = tuple(torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
-        meta = AttentionMetadata(slot_mapping=torch.tensor([5]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                                 seq_lens=torch.tensor([6], dtype=torch.int32),
-                                 page_tables=torch.tensor([[0]], dtype=torch.int32), query_start_loc_cpu=[0, 1],
-                                 seq_lens_cpu=[6], max_query_len=1, max_seq_len=6)
-        return [layer(positions, x, r, cache, meta) for r in (None, res)]
-
-    plain = run()
-    kinds = []
-    real_gemv = linear.gemv_triton
-    monkeypatch.setattr(norm_mod, "defers_to_projection", lambda t: t.dim() == 2 and t.shape[0] == 1)
-    monkeypatch.setattr(linear, "uses_gemv", lambda t, w: True)
-    monkeypatch.setattr(linear, "gemv_triton", lambda *a, **kw: kinds.append(kw.get("act")) or real_gemv(*a, **kw))
-    fused = run()
-    # per layer call: qkv and gate_up take the norm, o_proj plain, down_proj with the fused SiLU
-    assert kinds == ["rms_norm", None, "rms_norm", "silu_mul"] * 2
-    for (h0, r0), (h1, r1) in zip(plain, fused):
-        torch.testing.assert_close(r1, r0, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # triton.knobs.runtime.interpret reads it per call
+    for N, K in shapes:
+        for M in (1, 2, 4, 8):
+            c = gemv_config(M, N, K, 132)
+            assert c.dot == (M > 1)
+            assert K % c.block_k == 0 and c.block_n & (c.block_n - 1) == 0
+            if c.dot:
+                assert c.num_warps == c.block_n // 16 and c.block_k >= 16
+            else:
+                assert c.block_n * c.block_k <= 8192       # 64 accumulator registers / thread
+            assert -(-N // c.block_n) >= 264 or c.block_n == (16 if c.dot else 8)
 
 
 # ----------------------------------------------------------------------------------- the layer
 def test_linear_on_cpu_is_f_linear_and_never_the_gemv(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("GEMV taken for a CPU tensor")
-    monkeypatch.setattr(linear, "gemv_triton", boom)
+    monkeypatch.setattr(linear, "gemv", boom)
     g = gen(3)
     layer = Linear(32, {"a": 24, "b": 16}, bias=True)
     layer.weight.data.copy_(torch.randn(40, 32, generator=g))
@@ -265,9 +168,25 @@ def test_linear_on_cpu_is_f_linear_and_never_the_gemv(monkeypatch):
     assert not linear.uses_gemv(x, layer.weight)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     gu = torch.randn(3, 64, generator=g)
-    assert torch.equal(layer(gu, act="silu_mul"), F.linear(silu_and_mul_ref(gu), layer.weight, layer.bias))
-    with pytest.raises(ValueError, match="act"):
-        layer(x, act="gelu")
+    layer.input_act = SiluAndMul()
+    assert torch.equal(layer(gu), F.linear(silu_and_mul_ref(gu), layer.weight, layer.bias))
+    assert torch.equal(layer(gu[:1]), F.linear(silu_and_mul_ref(gu[:1]), layer.weight, layer.bias))
+
+
+@interpreted
+def test_linear_fuses_its_input_activation_into_the_one_row_gemv(monkeypatch):
+    """The GEMV dispatch on CPU tensors through the interpreter: at one row the GEMV computes the
+    input activation in its K loop; at more rows the activation runs first, then the plain GEMV."""
+    acts = []
+    monkeypatch.setattr(linear, "uses_gemv", lambda t, w: True)
+    monkeypatch.setattr(linear, "gemv", lambda *a, **kw: acts.append(kw.get("act")) or gemv(*a, **kw))
+    g = gen(4)
+    down = Linear(48, 40, input_act=SiluAndMul())
+    down.weight.data.copy_(torch.randn(40, 48, generator=g) / 7)
+    for M in (1, 3):
+        gu = torch.randn(M, 96, generator=g)
+        torch.testing.assert_close(down(gu), F.linear(silu_and_mul_ref(gu), down.weight), atol=1e-5, rtol=1e-5)
+    assert acts == ["silu_mul", None]
 
 
 def test_llama_mlp_is_down_of_silu_of_gate_up():
@@ -360,55 +279,24 @@ def test_gpu_gemv_llama8b_shapes(M):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_gemv_rms_norm_8b_shapes_and_cuda_graph():
-    """act="rms_norm" (RIDGE_FUSE_NORM) at the projections a norm feeds (qkv, gate_up), one row:
-    against fp64, the residual sum as the RMSNorm kernel writes it, and replayed from a graph."""
-    from ridge.kernels.rmsnorm import rms_norm
-    g, seed = fresh_generator()
-    K = 4096
-    x, res = (torch.randn(1, K, generator=g, device="cuda").to(BF16) for _ in range(2))
-    nw = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(BF16)
-    h, expect_res = rms_norm(x, nw, 1e-5, res)
-    for name in ("qkv", "gate_up"):
-        N = LLAMA8B[name][0]
-        w = (torch.randn(N, K, generator=g, device="cuda") / K**0.5).to(BF16)
-        res_out = torch.full_like(x, float("nan"))
-        y = gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5, residual=res, residual_out=res_out)
-        assert torch.equal(res_out, expect_res), seed
-        assert rel_err(y, h.double() @ w.double().T) <= 1e-2, (name, seed)
-        graph, static = capture_cuda_graph(lambda: gemv(x, w, act="rms_norm", norm_weight=nw, eps=1e-5,
-                                                        residual=res, residual_out=res_out))
-        static.fill_(float("nan"))
-        res_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static, y) and torch.equal(res_out, expect_res), (name, seed)
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_gpu_linear_dispatch_on_and_off_and_cuda_graph(monkeypatch):
+def test_gpu_linear_dispatch_and_cuda_graph(monkeypatch):
     g, seed = fresh_generator()
     calls = []
-    real = linear.gemv_triton
-    monkeypatch.setattr(linear, "gemv_triton", lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
-    down = Linear(14336, 4096).cuda().to(BF16)
+    monkeypatch.setattr(linear, "gemv", lambda *a, **kw: calls.append(kw.get("act")) or gemv(*a, **kw))
+    down = Linear(14336, 4096, input_act=SiluAndMul()).cuda().to(BF16)
     down.weight.data.copy_((torch.randn(4096, 14336, generator=g, device="cuda") / 120).to(BF16))
     for M in (1, 8, 9):
         gu = torch.randn(M, 2 * 14336, generator=g, device="cuda").to(BF16)
         ref = silu_and_mul_ref(gu).double() @ down.weight.double().T
-        monkeypatch.setattr(linear, "SMALL_BATCH_GEMV", True)
-        on = down(gu, act="silu_mul")
-        monkeypatch.setattr(linear, "SMALL_BATCH_GEMV", False)
-        off = down(gu, act="silu_mul")
+        on = down(gu)
+        off = F.linear(silu_and_mul(gu), down.weight)   # cuBLAS, the path before the GEMV
         assert rel_err(on, ref) <= 1e-2 and rel_err(off, ref) <= 1e-2 and rel_err(on, off.double()) <= 1e-2, seed
-    # with the switch on: the fused activation at M = 1, silu_and_mul then the plain GEMV at M = 8
-    # (the fused tensor-core path measured slower, see Linear.forward); never the GEMV at M = 9
+    # the fused activation at M = 1, silu_and_mul then the plain GEMV at M = 8 (the fused
+    # tensor-core path measured slower, see Linear.forward); never the GEMV at M = 9
     assert calls == ["silu_mul", None]
     # captured in a CUDA graph, replayed on new inputs
-    monkeypatch.setattr(linear, "SMALL_BATCH_GEMV", True)
     x = torch.randn(4, 2 * 14336, device="cuda", dtype=BF16)
-    graph, y = capture_cuda_graph(lambda: down(x, act="silu_mul"))
+    graph, y = capture_cuda_graph(lambda: down(x))
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """The fused RoPE + KV-cache write kernel (ridge.kernels.rotary.rope_write_kv).
 
-Contract: its rotated q, k and the cache it writes are bit-identical to ridge's two separate
-kernels, apply_rotary then write_kv, and within the rotary kernel's rounding bound of the torch
+Contract: its rotated q, k and the cache it writes are bit-identical to the kernel's rotation
+alone (every slot negative) followed by the reference cache write (write_kv_ref, a copy), and within the rotary kernel's rounding bound of the torch
 reference (rope_write_kv_ref: apply_rotary_ref, then write_kv_ref), which the CPU/torch backend
 keeps running. Inputs are q/k/v views split out of a fused QKV output; caches are poisoned with
 NaN, so a slot written by mistake, or a padding row (slot -1) that writes, shows.
@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-from test_fused_kernels import assert_rotary_bf16, fresh_generator, rope_truth  # noqa: E402
+from test_fused_kernels import apply_rotary, assert_rotary_bf16, fresh_generator, rope_truth  # noqa: E402
 
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
-from ridge.kernels.kv_write import write_kv  # noqa: E402
-from ridge.kernels.rotary import apply_rotary, rope_write_kv  # noqa: E402
+from ridge.kernels.attention_ref import write_kv_ref  # noqa: E402
+from ridge.kernels.rotary import apply_rotary_ref, rope_write_kv, rope_write_kv_ref  # noqa: E402
 from ridge.layers.attention import TORCH_BACKEND, Attention, select_backend  # noqa: E402
-from ridge.layers.rotary import RotaryEmbedding, apply_rotary_ref, rope_write_kv_ref  # noqa: E402
+from ridge.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests_support import capture_cuda_graph  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -65,17 +65,18 @@ def make_inputs(T, H, KVH, D, dtype, g, num_pages, max_pos, device="cpu", pad_ro
 
 
 def check_fused(q, k, v, positions, slots, caches, rope, what):
-    """Fused vs apply_rotary + write_kv (bit for bit) vs the torch reference (rounding bound,
+    """Fused vs the rotation alone + write_kv_ref (bit for bit) vs the torch reference (rounding bound,
     exact in fp32); untouched slots stay poisoned. Returns the fused (q_out, k_out, k_cache, v_cache)."""
     KVH, D = k.shape[1:]
     kc1, vc1 = (c.clone() for c in caches)
     q1, k1 = rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc1, vc1, slots)
-    # the peer: ridge's two separate kernels
+    # the peer: the kernel's rotation alone, then the reference cache write (a copy)
     kc2, vc2 = (c.clone() for c in caches)
     q2, k2 = apply_rotary(positions, q, k, rope.cos, rope.sin)
-    write_kv(k2, v, kc2, vc2, slots)
+    written_rows = slots >= 0
+    write_kv_ref(k2[written_rows], v[written_rows], kc2, vc2, slots[written_rows])
     for a, b, name in ((q1, q2, "q"), (k1, k2, "k"), (kc1, kc2, "k_cache"), (vc1, vc2, "v_cache")):
-        assert_same_bits(a, b, f"{what}: fused vs separate kernels, {name}")
+        assert_same_bits(a, b, f"{what}: fused vs rotation then copy, {name}")
     # the torch reference: the CPU backend's rope_write_kv (which never sees a padding row), and
     # its rotation alone on every row
     real = slots >= 0
@@ -235,6 +236,6 @@ def test_gpu_fused_kernel_captures_in_a_cuda_graph_and_the_backend_uses_it():
     torch.cuda.synchronize()
     kc2, vc2 = (c.clone() for c in caches)
     q2, k2 = apply_rotary(positions, q, k, rope.cos, rope.sin)
-    write_kv(k2, v, kc2, vc2, slots)
+    write_kv_ref(k2[slots >= 0], v[slots >= 0], kc2, vc2, slots[slots >= 0])
     for a, b, name in ((q_out, q2, "q"), (k_out, k2, "k"), (kc, kc2, "k_cache"), (vc, vc2, "v_cache")):
         assert_same_bits(a, b, f"graph replay {name} seed {seed}")

@@ -2,9 +2,7 @@
 runner, device synchronisation, the run environment, JSON output and the closing table."""
 from __future__ import annotations
 
-import contextlib
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -21,22 +19,6 @@ def sync(device: torch.device) -> None:
     read without this would time the launches, not the work; on the CPU there is nothing to wait for."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def switched_on(switches):
-    """Set each (module name, attribute) switch to True for the duration, then restore it: the
-    benchmarks' A/B of opt-in levers (ridge.kernels.pdl.ENABLED, ridge.layers.norm.FUSE_INTO_PROJECTION)."""
-    saved = []
-    try:
-        for module_name, attr in switches:
-            module = importlib.import_module(module_name)
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, True)
-        yield
-    finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,15 @@ Two choices make the kernel stream at HBM speed:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = triton.knobs.runtime.interpret
 _MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 256   # below this the merge and the pipeline prologue cost more than they save
 
@@ -35,20 +33,18 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
     # Deep pipelines (3-4 stages of cp.async) keep enough bytes in flight per SM to cover HBM
     # latency; 4 warps suffice because the per-tile math is a thin [16..64, N] x [N, d] GEMM.
-    # On an H200 the autotuner picked BLOCK_N 64 with 4 warps and 2-3 stages at every benchmark
-    # shape (2026-11-22); compile time per config (~1 s at first use, per tuning bucket) is paid
-    # while capturing decode graphs, so the set stays small.
+    # The set is the autotuner's measured picks and their neighbours (BENCHMARKS.md): compile
+    # time per config is paid per tuning bucket while capturing decode graphs, so it stays small.
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4))]
 
 
 # The best pipeline depth and tile depend on how much each program streams and on how many
 # programs share the SMs, so both (coarsely bucketed) are part of the key: without them the
-# first shape's winner served every later shape (B=1, L=32k varied 52-147 us between runs).
+# first shape's winner served every later shape, and long-context decode varied from run to run.
 # The two bucket arguments are read by the autotuner only, so they are not specialised: Triton
 # would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
-# the compiles that decode-graph capture pays (the 2026-11-23 run that captured 35 buckets in
-# 4.9 s had this).
+# the compiles that decode-graph capture pays.
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"])
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc, seq_lens,
@@ -57,13 +53,10 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr):
+                         PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # q and the new token's K/V come from the kernels just before; wait for them before anything
-    # else, and before the padding rows' early return (ridge/kernels/pdl.py)
-    pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) == q_row:  # padding slot: no query this step
         return
@@ -128,10 +121,9 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
 
 @triton.jit
 def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) == q_row:
         return
@@ -159,10 +151,10 @@ def _device_sms(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough programs to fill the SMs, but no split shorter than 256 keys.
 
-    Measured on an H200 (benchmarks/attention.py --splits-sweep, 2026-11-21): once
-    batch x kv heads alone covers the SMs, ~2 programs per SM is best (B=32, L=4k: 2 splits
-    reach 90% of copy bandwidth, 3 only 71%; B=128, L=2k: 1 split 93%); below that, more
-    splits pay (B=1, L=32k: 64 splits 62%, 32 splits 56%).
+    Each split is a program that streams its share of the pages; the merge and the pipeline
+    prologue are its overhead. Once batch x kv heads alone covers the SMs, ~2 programs per SM
+    is best; below that, more splits pay (benchmarks/attention.py --splits-sweep; the figures
+    are in BENCHMARKS.md).
     """
     if device.type != "cuda" or _INTERPRET:
         return max(1, min(3, triton.cdiv(max_seq_len, 32)))  # small and odd: exercises the merge
@@ -215,7 +207,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty(n_part * head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_part, dtype=torch.float32, device=q.device)
     bt = meta.page_tables
-    pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
         scale * _LOG2E, sliding_window or 0, num_splits,
@@ -225,10 +216,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         SLIDING=sliding_window is not None, DIRECT=num_splits == 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, **launch_options(pdl))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             out, o_part, lse, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
-            **launch_options(pdl))
+            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
     return out

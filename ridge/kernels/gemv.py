@@ -1,15 +1,15 @@
 """GEMV / skinny GEMM for decode (Triton): y = act(x) @ W^T (+ b) for M <= 8 rows of x.
 
-The reference is `gemv_ref` below: F.linear, after ridge.layers.activation.silu_and_mul_ref when
-act="silu_mul".
+The reference is `gemv_ref` below: F.linear, after silu_and_mul_ref (ridge/kernels/silu_mul.py)
+when act="silu_mul".
 
 Why a kernel of our own. A decode step at batch 1-8 does ~2 FLOPs per weight element read: each
 projection is a stream of its weight matrix from HBM, and the figures of merit are the fraction
 of copy bandwidth that stream reaches and the number of launches. At M <= 8 cuBLAS (F.linear)
-picks split-K kernels for the square-ish projections: on an H200 it reaches 64% of copy
-bandwidth on o_proj (4096 x 4096) and 76% on qkv (6144 x 4096), and on o_proj and down_proj it
-launches two kernels (split-K partials + a reduce); each kernel boundary costs ~1.5 us inside a
-CUDA graph, a fifth of the whole 32 MB o_proj stream (~8 us).
+picks split-K kernels for the square-ish projections, which stay well short of copy bandwidth
+(BENCHMARKS.md), and on o_proj and down_proj it launches two kernels (split-K partials + a
+reduce); each kernel boundary inside a CUDA graph is a drain and a launch with HBM idle, a
+sizeable fraction of a whole o_proj weight stream.
 
 Design - one launch, no split-K, no atomics, no zeroed buffer:
 
@@ -45,15 +45,6 @@ Design - one launch, no split-K, no atomics, no zeroed buffer:
     activation kernel and no [M, K] round trip. Every program recomputes it for all K: the
     [M, 2K] input is L2-resident and M * BLOCK_K exps per tile are cheap against the W tile.
 
-  * act="rms_norm" (opt-in, RIDGE_FUSE_NORM=1, ridge/layers/norm.py): the input is RMSNorm(x +
-    residual). Every program first makes one pass over its x rows (and the residual's) for the
-    rms - the row is 8 KiB at hidden 4096, read from L2 by all but the first programs - with its
-    first W tile already loading; program 0 alone writes x + residual (the residual stream). The
-    K loop then normalises each x tile on the fly, at rmsnorm.py's rounding points. This trades a
-    separate one-row norm kernel (its launch, its latency chain, the [1, hidden] round trip) for
-    the pass every program makes; registers rise (96 -> 128-168 at the 8B configs, no spills),
-    which may cost occupancy: it stays off until measured.
-
 No runtime autotuning: compile time is paid during CUDA-graph capture, which must stay short.
 `gemv_config` is a heuristic (to be set from `benchmarks/gemv.py --sweep` data); `config=`
 overrides it. K is a compile-time constant (a model has a few distinct in_features, each
@@ -62,20 +53,17 @@ compiled once). Accumulation is fp32; the output has x's dtype. CUDA-graph captu
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
+from ridge.kernels.silu_mul import silu_and_mul_ref
 
 GEMV_MAX_ROWS = 8          # decode CUDA-graph buckets 1, 2, 4, 8; larger batches go to cuBLAS
-ACTS = (None, "silu_mul", "rms_norm")
-_ACT_CODES = {None: 0, "silu_mul": 1, "rms_norm": 2}
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ACTS = (None, "silu_mul")
 
 
 class GemvConfig(NamedTuple):
@@ -88,66 +76,15 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _residual_sum(X, Res, offs_m, mask, k, stride_xm, stride_xk, stride_rm,
-                  HAS_RES: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """x (+ residual) at [rows, k], rounded to x's dtype once, as torch adds two bf16 tensors and
-    as ridge/kernels/rmsnorm.py does."""
-    x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(Res + offs_m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), X.dtype.element_ty, EMULATE_RNE)
-    return x
-
-
-@triton.jit
-def _row_rstd(X, Res, ResOut, offs_m, m_mask, eps, stride_xm, stride_xk, stride_rm, stride_om,
-              K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              EMULATE_RNE: tl.constexpr):
-    """1 / rms of each row of x (+ residual), for act="rms_norm". Every program makes this pass
-    over the whole row (K elements: 8 KiB at hidden 4096 in bf16, L2-resident after the first
-    program) because no program may wait for another; program 0 alone also stores x + residual,
-    the residual stream the next layer reads."""
-    offs_k = tl.arange(0, BLOCK_K)
-    # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar comparison as
-    # int32, which it then refuses as a mask
-    first = True & (tl.program_id(0) == 0)
-    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask = m_mask[:, None] & (k < K)[None, :]
-        s = _residual_sum(X, Res, offs_m, mask, k, stride_xm, stride_xk, stride_rm, HAS_RES, EMULATE_RNE)
-        if HAS_RES:
-            tl.store(ResOut + offs_m[:, None] * stride_om + k[None, :], s, mask=mask & first)
-        sf = s.to(tl.float32)
-        sq += sf * sf
-    # as rmsnorm.py: the mean over the true length K (a multiply by the constant 1/K), then rsqrt
-    return tl.math.rsqrt(tl.sum(sq, axis=1) * (1.0 / K) + eps)
-
-
-@triton.jit
-def _x_tile(X, Res, NormW, rstd, offs_m, m_mask, k, K, stride_xm, stride_xk, stride_rm,
-            ACT: tl.constexpr, HAS_RES: tl.constexpr, MASK_K: tl.constexpr, LAYOUT_BARRIER: tl.constexpr,
-            EMULATE_RNE: tl.constexpr):
+def _x_tile(X, offs_m, m_mask, k, K, stride_xm, stride_xk,
+            SILU_MUL: tl.constexpr, MASK_K: tl.constexpr, LAYOUT_BARRIER: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """[BLOCK_M, BLOCK_K] of act(x) in x's dtype; padded rows / columns are 0."""
     rows = X + offs_m[:, None] * stride_xm
     if MASK_K:
         mask = m_mask[:, None] & (k < K)[None, :]
     else:
         mask = m_mask[:, None]
-    if ACT == 2:
-        # RMSNorm(x + residual) with rmsnorm.py's rounding points: the sum rounded, normalised and
-        # rounded, then times the norm weight and rounded (rstd from _row_rstd)
-        s = _residual_sum(X, Res, offs_m, mask, k, stride_xm, stride_xk, stride_rm, HAS_RES, EMULATE_RNE)
-        normed = round_to(s.to(tl.float32) * rstd[:, None], X.dtype.element_ty, EMULATE_RNE)
-        if MASK_K:
-            wn = tl.load(NormW + k, mask=k < K, other=0.0)
-        else:
-            wn = tl.load(NormW + k)
-        h = normed.to(tl.float32) * wn.to(tl.float32)[None, :]
-        if LAYOUT_BARRIER:   # see ACT == 1
-            h = tl.max(tl.join(h, h), axis=2)
-        return round_to(h, X.dtype.element_ty, EMULATE_RNE)
-    elif ACT == 1:
+    if SILU_MUL:
         g = tl.load(rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(rows + (k[None, :] + K) * stride_xk, mask=mask, other=0.0).to(tl.float32)
         # as in silu_mul.py: IEEE division, silu rounded to the storage dtype before the
@@ -177,12 +114,10 @@ def _load_w(w_rows, k, K, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, X, Res, NormW, rstd, offs_m, m_mask, k, K, stride_xm, stride_xk, stride_rm,
-                ACT: tl.constexpr, HAS_RES: tl.constexpr, MASK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                EMULATE_RNE: tl.constexpr):
+def _accumulate(acc, w, X, offs_m, m_mask, k, K, stride_xm, stride_xk,
+                SILU_MUL: tl.constexpr, MASK_K: tl.constexpr, USE_DOT: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """acc += act(x)[:, k] * w, w being the [BLOCK_N, BLOCK_K] tile of W at columns k."""
-    xt = _x_tile(X, Res, NormW, rstd, offs_m, m_mask, k, K, stride_xm, stride_xk, stride_rm,
-                 ACT, HAS_RES, MASK_K, USE_DOT, EMULATE_RNE)
+    xt = _x_tile(X, offs_m, m_mask, k, K, stride_xm, stride_xk, SILU_MUL, MASK_K, USE_DOT, EMULATE_RNE)
     if USE_DOT:
         # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M] -> [BLOCK_N, BLOCK_M]; "ieee" keeps fp32
         # inputs out of TF32 (as F.linear by default); 16-bit products are exact in fp32 anyway
@@ -198,11 +133,10 @@ def _accumulate(acc, w, X, Res, NormW, rstd, offs_m, m_mask, k, K, stride_xm, st
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Y, Res, NormW, ResOut, M, N, K: tl.constexpr, eps,
-                 stride_xm, stride_xk, stride_wn, stride_ym, stride_yn, stride_rm, stride_om,
-                 ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+def _gemv_kernel(X, W, Bias, Y, M, N, K: tl.constexpr, stride_xm, stride_xk, stride_wn, stride_ym, stride_yn,
+                 SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr):
     # K is a compile-time constant: the trip count is known to the software pipeliner, and a model
     # has only a few distinct in_features (4096 and 14336 for Llama-3-8B), each compiled once,
     # before CUDA-graph capture. (It also sidesteps the Triton 3.6 interpreter, which cannot
@@ -219,36 +153,16 @@ def _gemv_kernel(X, W, Bias, Y, Res, NormW, ResOut, M, N, K: tl.constexpr, eps,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # The first W tile is loaded before anything that depends on x: with PDL (ridge/kernels/pdl.py)
-    # before waiting for the previous kernel, and with act="rms_norm" before the pass over the row
-    # for its rms. The weights are never written during a step, so that load overlaps the
-    # previous kernel's tail or the rms pass instead of starting the weight stream from idle.
-    # With K < BLOCK_K the first tile is the masked tail. Otherwise the loop starts at 0 (the
-    # kernel measured on 2026-11-23).
-    PEEL: tl.constexpr = PDL or ACT == 2
-    K_START: tl.constexpr = BLOCK_K if PEEL else 0
-    FIRST_MASKED: tl.constexpr = K_FULL == 0
-    if PEEL:
-        w_first = _load_w(w_rows, offs_k, K, FIRST_MASKED)
-    pdl_wait(PDL)
-    if ACT == 2:
-        rstd = _row_rstd(X, Res, ResOut, offs_m, m_mask, eps, stride_xm, stride_xk, stride_rm, stride_om,
-                         K, HAS_RES, BLOCK_M, BLOCK_K, EMULATE_RNE)
-    else:
-        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PEEL:
-        acc = _accumulate(acc, w_first, X, Res, NormW, rstd, offs_m, m_mask, offs_k, K, stride_xm, stride_xk,
-                          stride_rm, ACT, HAS_RES, FIRST_MASKED, USE_DOT, EMULATE_RNE)
     # full tiles, no K mask. tl.range's num_stages pipelines the W and x loads (cp.async into
     # shared memory) on both paths; the launch option alone would leave the FMA path unpipelined
-    for k0 in tl.range(K_START, K_FULL, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + offs_k
-        acc = _accumulate(acc, _load_w(w_rows, k, K, False), X, Res, NormW, rstd, offs_m, m_mask, k, K,
-                          stride_xm, stride_xk, stride_rm, ACT, HAS_RES, False, USE_DOT, EMULATE_RNE)
-    if K_FULL < K and (K_FULL > 0 or not PEEL):   # one masked tail tile (unless it was the first)
+        acc = _accumulate(acc, _load_w(w_rows, k, K, False), X, offs_m, m_mask, k, K, stride_xm, stride_xk,
+                          SILU_MUL, False, USE_DOT, EMULATE_RNE)
+    if K_FULL < K:   # one masked tail tile
         k = K_FULL + offs_k
-        acc = _accumulate(acc, _load_w(w_rows, k, K, True), X, Res, NormW, rstd, offs_m, m_mask, k, K,
-                          stride_xm, stride_xk, stride_rm, ACT, HAS_RES, True, USE_DOT, EMULATE_RNE)
+        acc = _accumulate(acc, _load_w(w_rows, k, K, True), X, offs_m, m_mask, k, K, stride_xm, stride_xk,
+                          SILU_MUL, True, USE_DOT, EMULATE_RNE)
     n_mask = offs_n < N
     if USE_DOT:   # acc is y^T: [BLOCK_N, BLOCK_M]
         y = acc
@@ -283,11 +197,10 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
     Both: BLOCK_N is the largest that still gives every SM two programs (no split-K: the grid
     is the only parallelism), so small projections use narrow blocks.
     These are first values from bytes-in-flight arithmetic, compile-checked for sm_90 (registers,
-    no spills, shared memory) and timed as they are on an H200 (2026-11-23, BENCHMARKS.md: 0.75-0.97
-    of copy bandwidth at the 8B shapes); `benchmarks/gemv.py --sweep` (not yet run) is what should
-    set them.
+    no spills, shared memory) and timed as they are (BENCHMARKS.md); `benchmarks/gemv.py --sweep`
+    is what should set them.
     """
-    if _INTERPRET:   # CPU interpreter: tiny tiles, so CI stays fast and the K tail is exercised
+    if triton.knobs.runtime.interpret:   # CPU interpreter: tiny tiles, so CI stays fast and the K tail is exercised
         return GemvConfig(16, 32, 1, 1, M > 1)
     dot = M > 1
     widths = (64, 32, 16) if dot else (32, 16, 8)
@@ -316,18 +229,12 @@ def _as_config(config, M: int, N: int, K: int, device: torch.device) -> GemvConf
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         act: str | None = None, out: torch.Tensor | None = None, config=None,
-         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None) -> torch.Tensor:
+         act: str | None = None, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """y = act(x) @ weight^T (+ bias), [M, N], x's dtype, fp32 accumulation.
 
     x: [M, K] (any strides), or [M, 2K] = [gate | up] with act="silu_mul"; M <= GEMV_MAX_ROWS.
     weight: [N, K], rows contiguous (nn.Linear layout). bias: [N] or None. out: [M, N] or None.
     config: a GemvConfig or (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot]); default gemv_config.
-    act="rms_norm": the input is RMSNorm(x + residual) with `norm_weight` [K] and `eps`, as
-    ridge.kernels.rmsnorm.rms_norm computes it; with `residual` [M, K], x + residual is also
-    written to `residual_out` [M, K] (a separate buffer: other programs still read residual while
-    one writes it). Both last-dim contiguous.
     """
     if act not in ACTS:
         raise ValueError(f"gemv: act must be one of {ACTS}, got {act!r}")
@@ -349,7 +256,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x on {x.device}, weight on {weight.device}")
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):
         raise ValueError(f"gemv: bias must have shape ({N},) on {x.device}, got {tuple(bias.shape)}")
-    _check_norm_args(x, act, norm_weight, residual, residual_out)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device:
@@ -361,54 +267,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
     cfg = _as_config(config, M, N, K, x.device)
     block_m = triton.next_power_of_2(M)
-    pdl = use_pdl(x)
-    has_res = act == "rms_norm" and residual is not None
-    res, res_out = (residual, residual_out) if has_res else (x, x)   # placeholders: never touched
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, res,
-        norm_weight if act == "rms_norm" else weight, res_out, M, N, K, float(eps),
-        x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1), res.stride(0), res_out.stride(0),
-        ACT=_ACT_CODES[act], HAS_RES=has_res, HAS_BIAS=bias is not None, USE_DOT=cfg.dot,
+        x, weight, bias if bias is not None else weight, out, M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        SILU_MUL=act == "silu_mul", HAS_BIAS=bias is not None, USE_DOT=cfg.dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(pdl))
+        EMULATE_RNE=emulate_rne(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def _check_norm_args(x, act, norm_weight, residual, residual_out) -> None:
-    if act != "rms_norm":
-        if norm_weight is not None or residual is not None or residual_out is not None:
-            raise ValueError("gemv: norm_weight, residual and residual_out go with act='rms_norm'")
-        return
-    M, K = x.shape
-    if norm_weight is None or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
-        raise ValueError(f"gemv: act='rms_norm' needs norm_weight [{K}] {x.dtype} on {x.device}, got "
-                         f"{None if norm_weight is None else (tuple(norm_weight.shape), norm_weight.dtype)}")
-    if (residual is None) != (residual_out is None):
-        raise ValueError("gemv: residual and residual_out go together")
-    if residual is None:
-        return
-    for name, t in (("residual", residual), ("residual_out", residual_out)):
-        if t.shape != (M, K) or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1:
-            raise ValueError(f"gemv: {name} must be [{M}, {K}] {x.dtype} on {x.device} with contiguous rows, "
-                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
-    if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-        raise ValueError("gemv: residual_out must be a buffer of its own (other programs read x and "
-                         "residual while program 0 writes it)")
-
-
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             act: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The function gemv computes, in torch: the unfused silu_and_mul or (residual add +)
-    RMSNorm, then F.linear."""
+             act: str | None = None) -> torch.Tensor:
+    """The function gemv computes, in torch: the unfused silu_and_mul, then F.linear."""
     if act not in ACTS:
         raise ValueError(f"gemv_ref: act must be one of {ACTS}, got {act!r}")
-    # layers import kernels, not the reverse
-    from ridge.layers.activation import silu_and_mul_ref
-    from ridge.layers.norm import rms_norm_ref
     if act == "silu_mul":
         x = silu_and_mul_ref(x)
-    elif act == "rms_norm":
-        x = rms_norm_ref(x if residual is None else x + residual, norm_weight, eps)
     return torch.nn.functional.linear(x, weight, bias)

@@ -20,15 +20,13 @@ the tiles straddling it in a second, masked loop, and tiles right of it are neve
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = triton.knobs.runtime.interpret
 _LOG2E = 1.4426950408889634
 
 
@@ -59,8 +57,8 @@ def _configs() -> list[triton.Config]:
     # Hopper: BLOCK_M=128 gives the wgmma units a full 64-row instruction per warpgroup (8 warps =
     # 2 warpgroups); BLOCK_N 64/128 amortises the softmax bookkeeping per tile; 2-3 stages of
     # TMA prefetch hide HBM latency behind the two tensor-core GEMMs of the previous tile.
-    # A wider sweep (BLOCK_M/N in {64, 128}, 4/8 warps, 2-4 stages) on an H200 picked 64x64, 4 warps,
-    # 3 stages at S = 1k, 4k and 16k (2026-11-22); each config costs ~1 s of compile at first use,
+    # A wider sweep (BLOCK_M/N in {64, 128}, 4/8 warps, 2-4 stages) picked 64x64, 4 warps, 3 stages
+    # at every prefill length it timed (BENCHMARKS.md); each config costs a compile at first use,
     # so only the winner and its neighbours stay.
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2))]

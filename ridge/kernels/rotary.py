@@ -1,5 +1,5 @@
 """Rotary position embedding on q and k, fused with the KV-cache write, in one launch (Triton).
-Reference: ridge.layers.rotary (apply_rotary_ref, then write_kv_ref: rope_write_kv_ref).
+Reference: `rope_write_kv_ref` below (apply_rotary_ref, then attention_ref.write_kv_ref).
 
 Rotate-half (NeoX) layout, as in HF Llama checkpoints: with x = [x1 | x2] (halves of head_dim),
 
@@ -17,12 +17,12 @@ are walked in [BLOCK_H, head_dim/2] tiles, each x1 and x2 half a wide load from 
 
 `rope_write_kv` (what the engine runs, every layer) also writes the token's rotated k and its v
 into the token's paged-cache slot, in the same program. In a batch-1 decode step each kernel is
-~1.5 us of mostly latency plus a ~1.5 us gap before the next one, so rotary + write_kv as two
-kernels cost one launch and one gap per layer that this fusion removes; the rotated k is stored
-to the cache straight from the registers that hold it (the separate write re-read it), and v,
+mostly latency plus a gap before the next one, so rotary and a cache write as two kernels would
+cost one launch and one gap per layer that this fusion removes; the rotated k is stored to the
+cache straight from the registers that hold it (a separate write would re-read it), and v,
 which is only copied, is loaded first so that its latency hides behind the rotation. One
-program per token keeps the cache stores as wide as write_kv's: a slot's row is kv_heads *
-head_dim contiguous elements, stored as runs of head_dim/2. Splitting a token's heads
+program per token keeps the cache stores wide: a slot's row is kv_heads * head_dim contiguous
+elements, stored as runs of head_dim/2. Splitting a token's heads
 over several programs would put more SMs on a decode token, but its time is a chain of
 dependent memory latencies (position -> cos/sin -> rotate -> store), not bandwidth, and the
 chain is the same length in every program. At prefill sizes (thousands of tokens) the grid
@@ -33,8 +33,7 @@ Rounding: everything is computed in fp32 from the fp32 tables and rounded once t
 The reference instead rounds cos/sin to the input dtype and rounds after each bf16 op (two
 products, one sum), so in bf16 the kernel is *more* accurate than the reference and they differ
 by a few bf16 ulps of |x|; in fp32 they agree to fp32 rounding. The cache gets exactly the
-rounded k that k_out gets, converted to the cache dtype as write_kv converts it, and v as
-write_kv copies it: `rope_write_kv` is bit-identical to `apply_rotary` then `write_kv`.
+rounded k that k_out gets, converted to the cache dtype, and v converted the same way.
 
 q, k, v may be strided views (q, k and v split out of the QKV GEMM output): all strides are
 passed, nothing is copied. Out-of-place by default; pass q_out=q, k_out=k to rotate in place
@@ -49,9 +48,38 @@ import torch
 import triton
 import triton.language as tl
 
-from ridge.kernels.kv_write import slot_row
-from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
+from ridge.kernels.attention_ref import write_kv_ref
 from ridge.kernels.rounding import emulate_rne, round_to
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                     sin_table: torch.Tensor):
+    """q: [T, H, d], k: [T, kvh, d]; positions: [T]; tables [max_position, d] float32. Rounds
+    cos/sin and every intermediate to the input dtype, as transformers does."""
+    cos = cos_table[positions].to(q.dtype)[:, None, :]
+    sin = sin_table[positions].to(q.dtype)[:, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rope_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Rotate q, k and write the rotated k and v into their cache slots; returns the rotated
+    (q, k). The torch backend's rope_write_kv and the reference of the fused kernel."""
+    q, k = apply_rotary_ref(positions, q, k, cos_table, sin_table)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+@triton.jit
+def slot_row(Cache, slot, stride_cb, stride_ct, PAGE: tl.constexpr):
+    """The cache row of a slot: page slot // PAGE, row slot % PAGE (slot >= 0)."""
+    return Cache + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
 
 
 @triton.jit
@@ -59,8 +87,8 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
                   CacheRow, stride_ch, to_cache,
                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr):
-    """Rotate token `tok`'s H heads of X into Out; with TO_CACHE, also store them into the cache
-    slot whose row starts at CacheRow (last dim contiguous), where `to_cache` holds."""
+    """Rotate token `tok`'s H heads of X into Out; with TO_CACHE (k, not q), also store them into
+    the cache slot whose row starts at CacheRow (last dim contiguous), where `to_cache` holds."""
     d = tl.arange(0, BLOCK_HALF)[None, :]
     x_row = X + tok * stride_xt
     o_row = Out + tok * stride_ot
@@ -75,7 +103,7 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
         tl.store(o_row + h * stride_oh + d * stride_od, o1, mask=mask)
         tl.store(o_row + h * stride_oh + (d + HALF) * stride_od, o2, mask=mask)
         if TO_CACHE:
-            # the values just stored to Out, converted as write_kv converts what it loads
+            # the values just stored to Out, converted to the cache dtype
             tl.store(CacheRow + h * stride_ch + d, o1.to(CacheRow.dtype.element_ty), mask=mask & to_cache)
             tl.store(CacheRow + h * stride_ch + d + HALF, o2.to(CacheRow.dtype.element_ty),
                      mask=mask & to_cache)
@@ -90,24 +118,19 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Sl
                           stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr, WRITE_KV: tl.constexpr,
-                          PDL: tl.constexpr):
+                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    pdl_wait(PDL)   # q, k, v come from the QKV GEMM just before (ridge/kernels/pdl.py)
-    k_row = KCache
-    to_cache = False
-    if WRITE_KV:
-        slot = tl.load(Slots + tok).to(tl.int64)
-        # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar
-        # comparison as int32, which it then refuses as a mask
-        to_cache = True & (slot >= 0)
-        k_row = slot_row(KCache, slot, stride_kcb, stride_kct, PAGE)
-        # v is only copied: its load is issued first and its store comes last, so its memory
-        # latency overlaps the cos/sin gather and the rotation instead of adding to them
-        hv = tl.arange(0, BLOCK_KVH)[:, None]
-        dv = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        v_mask = (hv < HK) & (dv < 2 * HALF) & to_cache
-        v = tl.load(V + tok * stride_vt + hv * stride_vh + dv * stride_vd, mask=v_mask)
+    slot = tl.load(Slots + tok).to(tl.int64)
+    # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar
+    # comparison as int32, which it then refuses as a mask
+    to_cache = True & (slot >= 0)
+    k_row = slot_row(KCache, slot, stride_kcb, stride_kct, PAGE)
+    # v is only copied: its load is issued first and its store comes last, so its memory
+    # latency overlaps the cos/sin gather and the rotation instead of adding to them
+    hv = tl.arange(0, BLOCK_KVH)[:, None]
+    dv = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    v_mask = (hv < HK) & (dv < 2 * HALF) & to_cache
+    v = tl.load(V + tok * stride_vt + hv * stride_vh + dv * stride_vd, mask=v_mask)
     pos = tl.load(Pos + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
@@ -115,10 +138,9 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Sl
     _rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
                   QOut, 0, False, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False)
     _rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
-                  k_row, stride_kch, to_cache, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, WRITE_KV)
-    if WRITE_KV:
-        v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)
-        tl.store(v_row + hv * stride_vch + dv, v.to(VCache.dtype.element_ty), mask=v_mask)
+                  k_row, stride_kch, to_cache, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True)
+    v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)
+    tl.store(v_row + hv * stride_vch + dv, v.to(VCache.dtype.element_ty), mask=v_mask)
 
 
 def launch_config(q_heads: int, k_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -132,68 +154,43 @@ def launch_config(q_heads: int, k_heads: int, head_dim: int) -> tuple[int, int, 
     return block_half, block_hq, block_hk, num_warps
 
 
-def _outputs(positions, q, k, cos, sin, q_out, k_out, who):
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"{who}: q [T, H, d] and k [T, kvh, d] expected, "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}")
-    tokens, _, head_dim = q.shape
-    if head_dim % 2 or cos.shape[-1] != head_dim or sin.shape != cos.shape:
-        raise ValueError(f"{who}: head_dim {head_dim} must be even and match the tables' {cos.shape[-1]}")
-    if positions.shape != (tokens,):
-        raise ValueError(f"{who}: positions must be [T={tokens}], got {tuple(positions.shape)}")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
-    if q_out.shape != q.shape or k_out.shape != k.shape:
-        raise ValueError(f"{who}: q_out/k_out must have q's/k's shape")
-    return q_out, k_out
-
-
-def _launch(positions, q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slot_mapping):
-    tokens, q_heads, head_dim = q.shape
-    k_heads = k.shape[1]
-    if tokens == 0:
-        return
-    block_half, block_hq, block_hk, num_warps = launch_config(q_heads, k_heads, head_dim)
-    write = k_cache is not None
-    pdl = use_pdl(q)
-    if not write:   # rotation only: the cache arguments are never read (WRITE_KV is a constexpr)
-        v, k_cache, v_cache, slot_mapping = k, k_out, k_out, positions
-    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if write else (0,) * 6
-    _rope_kv_write_kernel[(tokens,)](
-        q, k, v, q_out, k_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
-        *cache_strides,
-        HQ=q_heads, HK=k_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1] if write else 1,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), WRITE_KV=write,
-        PDL=pdl, num_warps=num_warps, **launch_options(pdl))
-
-
 def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None):
     """Rotate q [T, H, d] and k [T, kvh, d] (any strides) and write the rotated k and v
-    [T, kvh, d] into k_cache, v_cache [blocks, page, kvh, d] at slot_mapping [T] (negative:
+    [T, kvh, d] into k_cache, v_cache [pages, page, kvh, d] at slot_mapping [T] (negative:
     skipped); positions: [T] int; cos, sin: [max_pos, d] with equal halves. Returns (q_out,
-    k_out), contiguous unless given. Bit-identical to apply_rotary then write_kv."""
-    q_out, k_out = _outputs(positions, q, k, cos, sin, q_out, k_out, "rope_write_kv")
+    k_out), contiguous unless given."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"rope_write_kv: q [T, H, d] and k [T, kvh, d] expected, "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}")
+    tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    if head_dim % 2 or cos.shape[-1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(f"rope_write_kv: head_dim {head_dim} must be even and match the tables' {cos.shape[-1]}")
+    if positions.shape != (tokens,):
+        raise ValueError(f"rope_write_kv: positions must be [T={tokens}], got {tuple(positions.shape)}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    if q_out.shape != q.shape or k_out.shape != k.shape:
+        raise ValueError("rope_write_kv: q_out/k_out must have q's/k's shape")
     if v.shape != k.shape:
         raise ValueError(f"rope_write_kv: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"rope_write_kv: caches [blocks, page, {k.shape[1]}, {k.shape[2]}] expected, "
+        raise ValueError(f"rope_write_kv: caches [pages, page, {k.shape[1]}, {k.shape[2]}] expected, "
                          f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("rope_write_kv needs caches whose last dim is contiguous")
-    if slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"rope_write_kv: slot_mapping must be [T={q.shape[0]}], got {tuple(slot_mapping.shape)}")
-    _launch(positions, q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slot_mapping)
-    return q_out, k_out
-
-
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None):
-    """The rotation alone (the same kernel, WRITE_KV off): the separate-kernel peer that
-    rope_write_kv is tested and benchmarked against. Arguments as rope_write_kv's."""
-    q_out, k_out = _outputs(positions, q, k, cos, sin, q_out, k_out, "apply_rotary")
-    _launch(positions, q, k, cos, sin, q_out, k_out, None, None, None, None)
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"rope_write_kv: slot_mapping must be [T={tokens}], got {tuple(slot_mapping.shape)}")
+    if tokens == 0:
+        return q_out, k_out
+    block_half, block_hq, block_hk, num_warps = launch_config(q_heads, k_heads, head_dim)
+    _rope_kv_write_kernel[(tokens,)](
+        q, k, v, q_out, k_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        HQ=q_heads, HK=k_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), num_warps=num_warps)
     return q_out, k_out

@@ -1,25 +1,20 @@
 """SiLU-and-mul for gated MLPs: input [.., 2*I] = [gate | up] from the merged gate/up GEMM.
 
-`silu_and_mul` is what the model calls: the fused Triton kernel (ridge/kernels/silu_mul.py) on
-CUDA, the torch reference on the CPU.
+A module, so that the projection it feeds owns it (`Linear(..., input_act=SiluAndMul())`): at
+one row on CUDA the down projection's GEMV computes it inside its K loop (no activation kernel,
+no [1, I] round trip); otherwise it runs here first - the fused Triton kernel
+(ridge/kernels/silu_mul.py) on CUDA, the torch reference on the CPU.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-try:
-    from ridge.kernels.silu_mul import silu_and_mul as silu_and_mul_triton
-except ImportError:  # no triton: the reference serves every device
-    silu_and_mul_triton = None
+from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+class SiluAndMul(nn.Module):
+    gemv_act = "silu_mul"   # the GEMV's name for this input activation (ridge/kernels/gemv.py)
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda and silu_and_mul_triton is not None:
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)

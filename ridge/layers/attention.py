@@ -16,7 +16,9 @@ from torch import nn
 
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.attention_ref import paged_attention_ref
-from ridge.layers.rotary import RotaryEmbedding, rope_write_kv_ref
+from ridge.kernels.attention_triton import triton_paged_attention
+from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
+from ridge.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,6 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
         raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
                          f"this model has {head_dim}")
     if name in ("auto", "triton"):
-        try:
-            from ridge.kernels.attention_triton import triton_paged_attention
-            from ridge.kernels.rotary import rope_write_kv
-        except ImportError:
-            if name == "triton":
-                raise
-            return TORCH_BACKEND
         return AttentionBackend("triton", rope_write_kv, triton_paged_attention)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
 

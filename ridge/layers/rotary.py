@@ -7,9 +7,9 @@ gathered per token: a decode step then costs one gather, not a cos/sin per token
 Rotation is always followed by the KV-cache write, so the two are one backend call,
 `AttentionBackend.rope_write_kv`, made by the Attention layer (ridge/layers/attention.py). The
 Triton backend runs them as one kernel (ridge/kernels/rotary.py), computing in fp32 from the
-fp32 tables and rounding once; the torch backend (the CPU path and the oracle) runs
-`rope_write_kv_ref` below: this reference rotation, which rounds cos/sin and every intermediate
-to the input dtype as transformers does, then write_kv_ref.
+fp32 tables and rounding once; the torch backend (the CPU path and the oracle) runs its
+reference, `rope_write_kv_ref` (same file), which rounds cos/sin and every intermediate to the
+input dtype as transformers does.
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ import math
 
 import torch
 from torch import nn
-
-from ridge.kernels.attention_ref import write_kv_ref
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -40,29 +38,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
-                     sin_table: torch.Tensor):
-    """q: [T, H, d], k: [T, kvh, d]; positions: [T]; tables [max_position, d] float32."""
-    cos = cos_table[positions].to(q.dtype)[:, None, :]
-    sin = sin_table[positions].to(q.dtype)[:, None, :]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rope_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """Rotate q, k and write the rotated k and v into their cache slots; returns the rotated
-    (q, k). The torch backend's rope_write_kv and the reference of the fused kernel."""
-    q, k = apply_rotary_ref(positions, q, k, cos_table, sin_table)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q, k
 
 
 class RotaryEmbedding(nn.Module):

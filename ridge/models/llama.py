@@ -15,7 +15,7 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.layers.activation import silu_and_mul
+from ridge.layers.activation import SiluAndMul
 from ridge.layers.attention import Attention, AttentionBackend
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
@@ -61,12 +61,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
                                    bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path
+        # (ridge/layers/linear.py)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul())
 
     def forward(self, x):
-        # the activation is down_proj's: fused into its K loop on the small-batch GEMV path,
-        # silu_and_mul then F.linear otherwise (ridge/layers/linear.py)
-        return self.down_proj(self.gate_up_proj(x), act="silu_mul")
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,9 +74,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend)
         self.mlp = LlamaMLP(cfg)
-        # each feeds one projection (qkv, gate/up), which may compute it (ridge/layers/norm.py)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds_projection=True)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds_projection=True)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import statistics
 import time
 from collections import Counter, defaultdict, deque
@@ -51,11 +50,10 @@ MODULE_OPS = {
     "embed_tokens": "embed", "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "final_norm",
     "qkv_proj": "qkv_proj", "q_norm": "qk_norm", "k_norm": "qk_norm", "attn": "attention",
     "o_proj": "o_proj", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj",
+    # SiLU-and-mul is down_proj's input_act; where the small-batch GEMV fuses it, it is never
+    # called and its cost is folded into down_proj (diagnose)
+    "input_act": "activation",
 }
-# functions that are ops but not modules: (module, attribute) -> op. SiLU-and-mul runs inside
-# down_proj (Linear.forward(x, act="silu_mul")); where the small-batch GEMV fuses it, it is never
-# called and its cost is folded into down_proj (diagnose).
-FUNCTION_OPS = {("ridge.layers.linear", "silu_and_mul"): "activation"}
 
 
 class Timeline:
@@ -167,9 +165,6 @@ def instrument_runner(runner, tl: Timeline):
             set_attr(module, "backend", dataclasses.replace(
                 backend, rope_write_kv=tl.wrap("rope_kv_write", backend.rope_write_kv)))
     set_attr(model, "compute_logits", tl.wrap("lm_head", model.compute_logits))
-    for (module_name, attr), op in FUNCTION_OPS.items():
-        module = importlib.import_module(module_name)
-        set_attr(module, attr, tl.wrap(op, getattr(module, attr)))
     for name in ("prepare", "decode_inputs", "sampling_batch"):
         if callable(getattr(runner, name, None)):
             set_attr(runner, name, tl.wrap(HOST, getattr(runner, name)))
