@@ -2,7 +2,7 @@
 
 QKV and gate/up are each stored as one weight, so one GEMM reads the activations once and the
 weight matrix streams through in one pass. `shards` records where each checkpoint tensor lands
-inside the merged weight; the loader uses it.
+inside the merged weight; the parameter's weight_loader narrows to it (ridge/layers/weights.py).
 
 Small batches (decode): with at most GEMV_MAX_ROWS (8) rows of x, a projection is a weight
 stream - ~2 FLOPs per weight element read - and what matters is the fraction of copy bandwidth
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
+from ridge.layers.weights import copy_checked, set_weight_loader
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -43,9 +44,22 @@ class Linear(nn.Module):
         for name, size in out_sizes.items():
             self.shards[name] = (offset, size)
             offset += size
-        self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
+        shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
+        self.weight = set_weight_loader(nn.Parameter(torch.empty(offset, in_features), requires_grad=False),
+                                        self.weight_loader, shard_ids)
+        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset), requires_grad=False),
+                                      self.weight_loader, shard_ids) if bias else None
         self.input_act = input_act
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """Copy a checkpoint tensor into param, or into its rows for shard_id of a merged layer."""
+        if (shard_id is None) != (param.shard_ids is None) or (shard_id is not None and shard_id not in self.shards):
+            raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
+        target = param.data
+        if shard_id is not None:
+            offset, size = self.shards[shard_id]
+            target = target.narrow(0, offset, size)
+        copy_checked(target, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """input_act(x) @ weight^T (+ bias)."""

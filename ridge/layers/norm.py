@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from ridge.kernels.rmsnorm import rms_norm, rms_norm_ref
+from ridge.layers.weights import set_weight_loader
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.weight = set_weight_loader(nn.Parameter(torch.empty(dim), requires_grad=False))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:

@@ -2,7 +2,8 @@
 
 One file for the family: the differences are flags on ModelConfig, not copies of the model.
 Module and parameter names follow the HF checkpoints, except the merged projections
-(`qkv_proj`, `gate_up_proj`), which `checkpoint_name_map` explains to the loader.
+(`qkv_proj`, `gate_up_proj`): `checkpoint_name_map` tells the loader which parameter and shard
+a checkpoint tensor goes to; the parameter's own weight_loader puts it in place.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
 chunks and decode tokens side by side; only attention needs to know where sequences begin.
@@ -20,6 +21,7 @@ from ridge.layers.attention import Attention, AttentionBackend
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
+from ridge.layers.weights import set_weight_loader
 
 # checkpoint projection name -> (ridge merged module, shard)
 CHECKPOINT_NAME_MAP = {
@@ -92,7 +94,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        set_weight_loader(self.embed_tokens.weight.requires_grad_(False))
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

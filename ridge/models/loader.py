@@ -1,8 +1,10 @@
 """Build a model from an HF checkpoint directory, streaming tensors from safetensors.
 
-Parameters are allocated once, uninitialised, on the target device and dtype; each checkpoint
-tensor is then read (memory-mapped by safetensors, so at most one shard is mapped at a time)
-and copied straight into its slot. Nothing is copied twice and no full state dict is built.
+Parameters are allocated once, uninitialised, on the target device and dtype. Each checkpoint
+tensor is then read (memory-mapped by
+safetensors, so at most one shard is mapped at a time) and handed, by name, to its parameter's
+own weight_loader (ridge/layers/weights.py), which copies it into place - into its shard's rows
+for a merged projection. Nothing is copied twice and no full state dict is built.
 """
 from __future__ import annotations
 
@@ -39,13 +41,22 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def _param_slot(model: torch.nn.Module, name: str):
-    """Map a checkpoint tensor name to (ridge parameter name, shard or None)."""
+    """Map a checkpoint tensor name to (ridge parameter name, shard id or None)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in model.checkpoint_name_map:
             merged, shard = model.checkpoint_name_map[part]
             return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
     return name, None
+
+
+def _checkpoint_name(model, pname: str, shard: str | None) -> str:
+    if shard is None:
+        return pname
+    inverse = {v: k for k, v in model.checkpoint_name_map.items()}
+    owner, leaf = pname.rsplit(".", 1)
+    parent, merged = owner.rsplit(".", 1)
+    return f"{parent}.{inverse[(merged, shard)]}.{leaf}"
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -63,37 +74,32 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     for mod in model.modules():
         if hasattr(mod, "cos"):
             mod.cos, mod.sin = mod.cos.float(), mod.sin.float()
+    load_weights(model, path, cfg, show_progress)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progress: bool = True) -> None:
+    """Stream the checkpoint's tensors, each to its parameter's weight_loader (with its shard id
+    when it is one part of a merged parameter); every expected tensor must arrive exactly once."""
     params = dict(model.named_parameters())
-    expected = set()
-    for pname, p in params.items():
-        owner = model.get_submodule(pname.rsplit(".", 1)[0])
-        shards = getattr(owner, "shards", {"": None}) if pname.endswith(("weight", "bias")) else {"": None}
-        for shard in shards:
-            expected.add((pname, shard or None))
+    expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
-    files = checkpoint_files(path)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress)
-    for file in files:
+    for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                     continue
                 pname, shard = _param_slot(model, name)
-                if pname not in params:
+                if (pname, shard) not in expected:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                      f"(config and checkpoint disagree)")
                 param = params[pname]
-                tensor = f.get_tensor(name)
-                if shard is not None:
-                    owner = model.get_submodule(pname.rsplit(".", 1)[0])
-                    offset, size = owner.shards[shard]
-                    target = param.data.narrow(0, offset, size)
-                else:
-                    target = param.data
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(tensor)
+                try:
+                    param.weight_loader(param, f.get_tensor(name), shard)
+                except ValueError as e:
+                    raise ValueError(f"model: tensor {name!r} {e}") from None
                 loaded.add((pname, shard))
                 bar.update(1)
     bar.close()
@@ -102,13 +108,3 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
         names = [_checkpoint_name(model, p, s) for p, s in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"model: checkpoint {path!r} is missing tensors: {shown}")
-    return model.eval()
-
-
-def _checkpoint_name(model, pname: str, shard: str | None) -> str:
-    if shard is None:
-        return pname
-    inverse = {v: k for k, v in model.checkpoint_name_map.items()}
-    owner, leaf = pname.rsplit(".", 1)
-    parent, merged = owner.rsplit(".", 1)
-    return f"{parent}.{inverse[(merged, shard)]}.{leaf}"

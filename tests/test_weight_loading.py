@@ -1,0 +1,104 @@
+"""Per-parameter weight loading (ridge/layers/weights.py, ridge/models/loader.py).
+
+Each parameter carries `weight_loader(param, loaded, shard_id=None)` and `shard_ids`; a merged
+projection's loader narrows to its shard; the model loader only streams safetensors and
+dispatches by name, with errors that name the tensor.
+"""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ridge.config import ModelConfig
+from ridge.layers.attention import TORCH_BACKEND
+from ridge.layers.linear import Linear
+from ridge.layers.norm import RMSNorm
+from ridge.layers.weights import default_weight_loader
+from ridge.models.loader import _param_slot, load_model
+
+
+def build(path, dtype=torch.float32):
+    return load_model(path, ModelConfig.from_dir(path), dtype, torch.device("cpu"), TORCH_BACKEND,
+                      max_position=64, show_progress=False)
+
+
+# -------------------------------------------------------------------------------- the loaders
+def test_merged_linear_loader_narrows_to_its_shard():
+    layer = Linear(3, {"q": 4, "k": 2, "v": 2}, bias=True)
+    assert layer.weight.shard_ids == layer.bias.shard_ids == ("q", "k", "v")
+    layer.weight.data.fill_(float("nan"))
+    parts = {s: torch.full((n, 3), float(i)) for i, (s, n) in enumerate((("q", 4), ("k", 2), ("v", 2)))}
+    for shard, t in parts.items():
+        layer.weight.weight_loader(layer.weight, t, shard)
+    assert torch.equal(layer.weight.data, torch.cat(list(parts.values())))
+    layer.bias.weight_loader(layer.bias, torch.arange(2.0), "k")
+    assert torch.equal(layer.bias.data[4:6], torch.arange(2.0))
+    with pytest.raises(ValueError, match=r"has shape \(3, 3\), expected \(2, 3\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(3, 3), "k")
+    with pytest.raises(ValueError, match="shard"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(2, 3), "gate")
+    with pytest.raises(ValueError, match="shard"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(8, 3))      # a merged param wants its shard id
+
+
+def test_unmerged_parameters_load_whole_with_a_shape_check():
+    plain = Linear(3, 5)
+    assert plain.weight.shard_ids is None and plain.bias is None
+    w = torch.randn(5, 3)
+    plain.weight.weight_loader(plain.weight, w)
+    assert torch.equal(plain.weight.data, w)
+    with pytest.raises(ValueError, match="shard"):
+        plain.weight.weight_loader(plain.weight, w, "q")
+    norm = RMSNorm(4, 1e-6)
+    assert norm.weight.weight_loader is default_weight_loader and norm.weight.shard_ids is None
+    norm.weight.weight_loader(norm.weight, torch.arange(4.0, dtype=torch.float64))   # converts the dtype
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm.weight.data, torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"has shape \(5,\), expected \(4,\)"):
+        default_weight_loader(norm.weight, torch.zeros(5))
+    with pytest.raises(ValueError, match="shard"):
+        default_weight_loader(norm.weight, torch.zeros(4), "q")
+
+
+# ---------------------------------------------------------------------------------- dispatch
+def test_loader_dispatches_each_tensor_to_its_parameter_and_shard(checkpoints):
+    path = checkpoints("qwen2")    # q/k/v biases: merged biases too
+    model = build(path)
+    assert _param_slot(model, "model.layers.1.self_attn.k_proj.bias") == ("model.layers.1.self_attn.qkv_proj.bias", "k")
+    assert _param_slot(model, "model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", "up")
+    assert _param_slot(model, "model.norm.weight") == ("model.norm.weight", None)
+    ckpt = load_file(f"{path}/model.safetensors")
+    for i in range(2):
+        pre = f"model.layers.{i}"
+        for leaf in ("weight", "bias"):
+            qkv = torch.cat([ckpt[f"{pre}.self_attn.{p}_proj.{leaf}"] for p in "qkv"])
+            assert torch.equal(getattr(model.model.layers[i].self_attn.qkv_proj, leaf), qkv)
+        gate_up = torch.cat([ckpt[f"{pre}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(model.model.layers[i].mlp.gate_up_proj.weight, gate_up)
+        assert torch.equal(model.model.layers[i].input_layernorm.weight, ckpt[f"{pre}.input_layernorm.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, ckpt["model.embed_tokens.weight"])
+    every = [p for p in model.parameters()]
+    assert all(callable(p.weight_loader) for p in every)
+
+
+def test_loader_errors_name_the_tensor(tmp_path, checkpoints):
+    src = checkpoints("llama")
+
+    def variant(name, edit):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return str(d)
+
+    bad_shape = variant("shape", lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 64)}))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(3, 64\), "
+                                         r"expected \(128, 64\)"):
+        build(bad_shape)
+    extra = variant("extra", lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.extra_proj\.weight' has no place"):
+        build(extra)
+    missing = variant("missing", lambda t: t.pop("model.layers.1.mlp.gate_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.gate_proj\.weight$"):
+        build(missing)
