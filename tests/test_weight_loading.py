@@ -1,9 +1,12 @@
-"""Per-parameter weight loading (ridge/layers/weights.py, ridge/models/loader.py).
+"""Per-parameter weight loading (ridge/layers/weights.py, ridge/models/loader.py) and
+load_format="dummy".
 
 Each parameter carries `weight_loader(param, loaded, shard_id=None)` and `shard_ids`; a merged
 projection's loader narrows to its shard; the model loader only streams safetensors and
-dispatches by name, with errors that name the tensor.
+dispatches by name, with errors that name the tensor. Dummy weights come from a seeded generator
+on the device: the same seed gives the same model, never a zero, nothing but config.json read.
 """
+import dataclasses
 import shutil
 
 import pytest
@@ -15,12 +18,18 @@ from ridge.layers.attention import TORCH_BACKEND
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.weights import default_weight_loader
-from ridge.models.loader import _param_slot, load_model
+from ridge.models.loader import LOAD_FORMATS, _param_slot, load_model
+from ridge.utils.random_checkpoint import make_random_checkpoint
 
 
-def build(path, dtype=torch.float32):
+def build(path, load_format="auto", seed=0, dtype=torch.float32):
     return load_model(path, ModelConfig.from_dir(path), dtype, torch.device("cpu"), TORCH_BACKEND,
-                      max_position=64, show_progress=False)
+                      max_position=64, show_progress=False, load_format=load_format, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory):
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("cfg") / "tiny"), config_only=True)
 
 
 # -------------------------------------------------------------------------------- the loaders
@@ -102,3 +111,54 @@ def test_loader_errors_name_the_tensor(tmp_path, checkpoints):
     missing = variant("missing", lambda t: t.pop("model.layers.1.mlp.gate_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.gate_proj\.weight$"):
         build(missing)
+
+
+def test_unknown_load_format_is_rejected(config_only):
+    with pytest.raises(ValueError, match=r"load_format: unknown format 'pt'; expected one of auto, safetensors, dummy"):
+        build(config_only, load_format="pt")
+    assert LOAD_FORMATS == ("auto", "safetensors", "dummy")
+
+
+# ------------------------------------------------------------------------------- dummy weights
+def test_dummy_weights_are_seeded_small_and_never_zero(config_only):
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        build(config_only)                         # a config-only directory has no weights to read
+    a, b, c = build(config_only, "dummy", seed=1), build(config_only, "dummy", seed=1), build(config_only, "dummy", seed=2)
+    pa, pb, pc = dict(a.named_parameters()), dict(b.named_parameters()), dict(c.named_parameters())
+    assert pa.keys() == pb.keys() == pc.keys()
+    for name, p in pa.items():
+        assert torch.equal(p, pb[name]), name
+        assert not torch.equal(p, pc[name]), name
+        assert p.count_nonzero() == p.numel(), name
+        if name.endswith("norm.weight"):
+            assert 0.8 < p.min() and p.max() < 1.2 and abs(p.mean() - 1) < 0.01, name
+        else:
+            assert abs(p.std() - 0.02) < 0.004 and abs(p.mean()) < 0.005, name
+    bf16 = build(config_only, "dummy", seed=1, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and p.count_nonzero() == p.numel() for p in bf16.parameters())
+
+
+def test_engine_generates_with_dummy_weights(config_only, tiny_llm):
+    """A config-only tiny checkpoint serves requests with load_format="dummy", same seed same tokens."""
+    from ridge.engine.engine import Engine
+    from ridge.engine.llm import load_tokenizer
+    from ridge import SamplingParams
+    from ridge.runner.model_runner import ModelRunner
+
+    base = tiny_llm.engine
+    cfg = dataclasses.replace(base.cfg, model=config_only, load_format="dummy", seed=3)
+    model_cfg = ModelConfig.from_dir(config_only)
+
+    def generate():
+        runner = ModelRunner(cfg, model_cfg, show_progress=False)
+        runner.allocate_kv_cache(cfg.num_pages)
+        runner.setup_decode(use_graphs=False)
+        engine = Engine(cfg, model_cfg, runner, load_tokenizer(config_only))
+        engine.add_request("def fib(n):", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0].outputs[0].token_ids
+
+    first = generate()
+    assert len(first) == 6 and first == generate()

@@ -1,10 +1,17 @@
-"""Build a model from an HF checkpoint directory, streaming tensors from safetensors.
+"""Build a model from an HF checkpoint directory: streamed safetensors, or dummy weights.
 
-Parameters are allocated once, uninitialised, on the target device and dtype. Each checkpoint
-tensor is then read (memory-mapped by
+Parameters are allocated once, uninitialised, on the target device and dtype. With
+load_format "auto" / "safetensors" each checkpoint tensor is then read (memory-mapped by
 safetensors, so at most one shard is mapped at a time) and handed, by name, to its parameter's
 own weight_loader (ridge/layers/weights.py), which copies it into place - into its shard's rows
 for a merged projection. Nothing is copied twice and no full state dict is built.
+
+With load_format "dummy" (vLLM's name) nothing is read but config.json: every parameter is
+filled in place on the device from a seeded generator, so that a model of any size starts in
+the time it takes to write its weights once in device memory - benchmark shapes (8B-70B)
+without tens of GB of checkpoint on disk. Matrices and embeddings get normal(0, 0.02), as
+transformers initialises them; norm weights 1 + normal(0, 0.02). Never zeros: a zero weight
+would let a kernel skip work, or hide a wrong read, that real weights would not.
 """
 from __future__ import annotations
 
@@ -18,8 +25,11 @@ from tqdm.auto import tqdm
 
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
+from ridge.layers.norm import RMSNorm
 from ridge.models.registry import model_class
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_STD = 0.02
 # tensors some checkpoints carry that ridge recomputes or does not need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -62,6 +72,8 @@ def _checkpoint_name(model, pname: str, shard: str | None) -> str:
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, show_progress: bool = True,
                load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     cls = model_class(cfg.architecture)
     with torch.device(device):
         default = torch.get_default_dtype()
@@ -74,8 +86,24 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     for mod in model.modules():
         if hasattr(mod, "cos"):
             mod.cos, mod.sin = mod.cos.float(), mod.sin.float()
-    load_weights(model, path, cfg, show_progress)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        load_weights(model, path, cfg, show_progress)
     return model.eval()
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter in place on its device from one generator seeded with `seed`, in
+    parameter order: the same seed gives the same model (see the module docstring)."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators = {}
+    for p in model.parameters():
+        g = generators.get(p.device)
+        if g is None:
+            g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=g)
 
 
 @torch.no_grad()

@@ -2,6 +2,10 @@
 the benchmarks run (no weights can be downloaded, and the oracle must be transformers).
 
     python -m ridge.utils.random_checkpoint OUT_DIR --arch llama --preset tiny
+    python -m ridge.utils.random_checkpoint OUT_DIR --preset llama3-8b --config-only
+
+--config-only writes config.json and the tokenizer, no weights: what an engine started with
+load_format="dummy" reads, so a benchmark-sized model starts without writing its weights to disk.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def make_tokenizer(vocab_size: int):
 
 def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tiny", dtype=torch.float32,
                            seed: int = 0, device: str = "cpu", max_shard_size: str | None = None,
-                           with_tokenizer: bool = True, **overrides) -> str:
+                           with_tokenizer: bool = True, config_only: bool = False, **overrides) -> str:
     import transformers
 
     cfg_name, model_name = ARCHS[arch]
@@ -69,6 +73,13 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)
+    os.makedirs(out_dir, exist_ok=True)
+    if with_tokenizer:
+        make_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    if config_only:
+        config.architectures, config.dtype = [model_name], dtype   # as save_pretrained of the model writes
+        config.save_pretrained(out_dir)
+        return out_dir
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -83,11 +94,8 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.02)
-    os.makedirs(out_dir, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
-    if with_tokenizer:
-        make_tokenizer(config.vocab_size).save_pretrained(out_dir)
     return out_dir
 
 
@@ -99,8 +107,11 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="config.json and tokenizer, no weights "
+                    "(for load_format dummy)")
     a = ap.parse_args()
-    make_random_checkpoint(a.out, a.arch, a.preset, getattr(torch, a.dtype), a.seed, a.device)
+    make_random_checkpoint(a.out, a.arch, a.preset, getattr(torch, a.dtype), a.seed, a.device,
+                           config_only=a.config_only)
     print(a.out)
 
 
