@@ -81,7 +81,7 @@ if has ab; then
     note "ab: SKIPPED ($BASELINE missing: run benchmarks/make_baseline.sh and carry .baseline)"
   fi
 fi
-part dummy 60 240 "python3 benchmarks/engine_ready.py --json $OUT/engine_ready.json"
+part dummy 60 300 "python3 benchmarks/engine_ready.py --json $OUT/engine_ready.json"
 wait_ckpt
 part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
 part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
