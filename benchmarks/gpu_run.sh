@@ -15,7 +15,8 @@
 #   tests-engine   pytest -m gpu on the remaining GPU test files (engine, roofline)
 #   fastpath       benchmarks/fast_path.py (a)-(c) on the 8B shape with the HF peer -> fast_path_8b.json
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
-# when a part needs it (ab, tests-engine, fastpath), while the first parts run.
+# when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
+# waits for it to finish first.
 #   PARTS=tests-kernels,ab,dummy,tests-engine bash benchmarks/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
@@ -68,6 +69,8 @@ present=""; for f in $KERNEL_TESTS; do [ -f "$f" ] && present+=" $f"; done
 rest=""; for f in $(grep -l "mark.gpu" tests/test_*.py); do [[ " $KERNEL_TESTS " == *" $f "* ]] || rest+=" $f"; done
 
 part tests-kernels 60 240 "python3 -m pytest -q -m gpu $present 2>&1 | tee -a $TESTS | tail -15"
+# the timed parts run alone on the device: the checkpoint writer finishes first
+if has attention || has gemv || has fused; then wait_ckpt; fi
 part attention 60 240 "python3 benchmarks/attention.py --json $OUT/attention.json"
 part gemv 60 200 "python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json $OUT/gemv.json | tail -${GEMV_TAIL:-60}"
 part fused 60 180 "python3 benchmarks/fused_kernels.py --json $OUT/fused_kernels.json"
@@ -81,6 +84,7 @@ if has ab; then
     note "ab: SKIPPED ($BASELINE missing: run benchmarks/make_baseline.sh and carry .baseline)"
   fi
 fi
+has dummy && wait_ckpt
 part dummy 60 300 "python3 benchmarks/engine_ready.py --json $OUT/engine_ready.json"
 wait_ckpt
 part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
