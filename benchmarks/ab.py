@@ -84,9 +84,12 @@ def tree_of(a, variant: str) -> str:
     return ROOT if VARIANTS[variant][0] == "this" else os.path.abspath(a.baseline)
 
 
-def run_env(tree: str, switches: dict) -> dict:
+def run_env(tree: str, switches: dict, cache_dir: str) -> dict:
+    """The tree's own import path and ridge cache (the trees may store measured ceilings in
+    different formats), the variant's switches and no others."""
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
-    env.update(switches, PYTHONPATH=tree, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(switches, PYTHONPATH=tree, RIDGE_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
     return env
 
 
@@ -135,7 +138,8 @@ def run_one(a, variant: str, rnd: int) -> dict:
     t0 = time.perf_counter()
     with open(stem + ".log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=tree, env=run_env(tree, VARIANTS[variant][1]), stdout=log,
+            env = run_env(tree, VARIANTS[variant][1], os.path.join(a.log_dir, f"cache-{VARIANTS[variant][0]}"))
+            rc = subprocess.run(cmd, cwd=tree, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, timeout=a.run_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -166,7 +170,8 @@ def overlap_probe(model: str) -> None:
 
 def overlap_from_stats(a) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--overlap-probe", "--model", os.path.abspath(a.model)]
-    p = subprocess.run(cmd, cwd=ROOT, env=run_env(ROOT, {}), capture_output=True, text=True, timeout=a.run_timeout)
+    env = run_env(ROOT, {}, os.path.join(a.log_dir, "cache-this"))
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.run_timeout)
     for line in p.stdout.splitlines():
         if line.startswith("OVERLAP "):
             stats = json.loads(line[8:])

@@ -82,7 +82,8 @@ def make_case(name: str, T: int, g: torch.Generator, rope):
                 return dict(q=q, k=k, wq=rnd(HEAD_DIM, scale=0.3) + 1, wk=rnd(HEAD_DIM, scale=0.3) + 1,
                             qo=nan(T, HEADS, HEAD_DIM), ko=nan(T, KV_HEADS, HEAD_DIM))
             return (make_set,
-                    lambda s: (rms_norm(s["q"], s["wq"], 1e-6, out=s["qo"]), rms_norm(s["k"], s["wk"], 1e-6, out=s["ko"])),
+                    lambda s: (rms_norm(s["q"], s["wq"], 1e-6, out=s["qo"]),
+                               rms_norm(s["k"], s["wk"], 1e-6, out=s["ko"])),
                     lambda s: (rms_norm_ref(s["q"], s["wq"], 1e-6), rms_norm_ref(s["k"], s["wk"], 1e-6)),
                     heads_bytes + 2 * HEAD_DIM * e)
         pages = -(-T // PAGE)

@@ -159,9 +159,10 @@ def test_ab_runs_each_tree_with_its_own_path_and_switches(monkeypatch):
     monkeypatch.setenv("RIDGE_PDL", "1")
     a = ab.parse_args(["--baseline", "/b", "--fast-path-args", "--dtype float32"])
     assert ab.tree_of(a, "this") == ROOT and ab.tree_of(a, "base+pdl") == "/b"
-    e = ab.run_env("/b", {})
-    assert e["PYTHONPATH"] == "/b" and "RIDGE_PDL" not in e and "RIDGE_FUSE_NORM" not in e
-    assert ab.run_env("/b", ab.VARIANTS["base+pdl+fuse_norm"][1])["RIDGE_FUSE_NORM"] == "1"
+    e = ab.run_env("/b", {}, "/c")
+    assert e["PYTHONPATH"] == "/b" and e["RIDGE_CACHE_DIR"] == "/c"
+    assert "RIDGE_PDL" not in e and "RIDGE_FUSE_NORM" not in e
+    assert ab.run_env("/b", ab.VARIANTS["base+pdl+fuse_norm"][1], "/c")["RIDGE_FUSE_NORM"] == "1"
     cmd = ab.fast_path_cmd(a, "/b", ["latency"], "/tmp/x.json")
     assert cmd[1] == "/b/benchmarks/fast_path.py" and cmd[-2:] == ["--dtype", "float32"]
     assert "--no-hf" in cmd and cmd[cmd.index("--only") + 1] == "latency"
