@@ -113,7 +113,8 @@ if ab:
         for v, e in s.items():
             if key in e:
                 m, r = e[key]["median"], e[key]["ratio_to_base"]
-                cells.append(f"{v} {m:.1%}" if key.endswith("mbu") else f"{v} {m:.1f} ({r:.3f}x)")
+                ratio = "" if r is None else f" ({r:.3f}x)"
+                cells.append(f"{v} {m:.1%}" if key.endswith("mbu") else f"{v} {m:.1f}{ratio}")
         print(f"ab  {label:<22} " + "; ".join(cells))
     ov = ab.get("overlap") or {}
     print(f"ab  overlap fraction (this, b=1)  {ov.get('overlap_fraction')}  {ov.get('error', '')[:200]}")
