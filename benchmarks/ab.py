@@ -13,7 +13,10 @@ and benchmark code on the same checkpoint:
   (c) workload    256 requests, lengths uniform in [100, 1024], temperature 0.6: output tok/s.
 Variants: `this` (this tree), `base` (the baseline as it ships), and, on the baseline only, its
 opt-in environment switches: base+pdl (RIDGE_PDL=1), base+fuse_norm (RIDGE_FUSE_NORM=1), both.
-The switch variants run --variant-parts (default: (a) only, the decode step they change).
+The switch variants run --variant-parts (default: (a) only, the decode step they change), plus a
+one-request workload of 1024 -> 1024 tokens that is not reported: fast_path.py sizes the engine's
+max_model_len from the parts it runs, and the decode graphs are captured for that length (it sets
+the attention's split count), so every variant's engine must be sized as the full runs' are.
 Runs are interleaved (this, base, base+pdl, ... then again), --repeats rounds, so drift in the
 device's state spreads over all variants alike. Reported per variant and measurement: the median
 over rounds, the spread ((max - min) / median) and the ratio to `base`. Also reported: the
@@ -93,11 +96,20 @@ def run_env(tree: str, switches: dict, cache_dir: str) -> dict:
     return env
 
 
+# a workload part that only sizes the engine as the full runs' (max_model_len = 2 x 1024)
+SIZING_WORKLOAD = ["--workload-num-prompts", "1", "--workload-len-range", "1024", "1024"]
+
+
 def fast_path_cmd(a, tree: str, parts: list[str], json_path: str) -> list[str]:
+    """fast_path.py running `parts`; a run without the workload gets the sizing one."""
+    run_parts, sizing = list(parts), []
+    if "workload" not in parts:
+        run_parts.append("workload")
+        sizing = SIZING_WORKLOAD
     return [sys.executable, os.path.join(tree, "benchmarks", "fast_path.py"), "--model", os.path.abspath(a.model),
-            "--only", ",".join(parts), "--no-hf", "--no-progress", "--json", json_path,
+            "--only", ",".join(run_parts), "--no-hf", "--no-progress", "--json", json_path,
             "--latency-iters", str(a.latency_iters), "--latency-warmup", str(a.latency_warmup),
-            *shlex.split(a.fast_path_args)]
+            *sizing, *shlex.split(a.fast_path_args)]
 
 
 def find_key(obj, key):
@@ -114,12 +126,13 @@ def find_key(obj, key):
     return None
 
 
-def extract(fast_path_json: dict) -> dict:
-    """{(part, key): value} from a fast_path.py result (its one model's ridge entries)."""
+def extract(fast_path_json: dict, reported=PARTS) -> dict:
+    """{"part.key": value} from a fast_path.py result (its one model's ridge entries), for the
+    parts in `reported`."""
     (parts,) = fast_path_json["models"].values()
     out = {}
     for part, key, _ in METRICS:
-        r = parts.get(part, {}).get("ridge")
+        r = parts.get(part, {}).get("ridge") if part in reported else None
         if r is not None:
             out[f"{part}.{key}"] = r.get(key)
     lat = parts.get("latency", {}).get("ridge")
@@ -147,7 +160,7 @@ def run_one(a, variant: str, rnd: int) -> dict:
            "log": stem + ".log"}
     if rc == 0:
         with open(stem + ".json") as f:
-            rec["values"] = extract(json.load(f))
+            rec["values"] = extract(json.load(f), parts)
     else:
         with open(stem + ".log") as f:
             tail = f.read().splitlines()[-25:]

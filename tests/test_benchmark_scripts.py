@@ -140,6 +140,8 @@ def test_ab_extracts_and_summarizes(monkeypatch):
     v = ab.extract(fast_path_result(200.0, 0.8, 5000.0, 7000.0, overlap=0.9))
     assert v["latency.decode_tokens_per_s"] == 200.0 and v["latency.overlap_fraction"] == 0.9
     assert ab.extract(fast_path_result(1, 1, 1, 1))["latency.overlap_fraction"] is None
+    assert set(ab.extract(fast_path_result(1, 1, 1, 1), ["latency"])) == {
+        "latency.decode_tokens_per_s", "latency.mbu", "latency.overlap_fraction", "latency.commit"}
     runs = [{"variant": "base", "values": ab.extract(fast_path_result(d, 0.8, 5000, 7000))} for d in (200, 220, 210)]
     runs += [{"variant": "this", "values": ab.extract(fast_path_result(d, 0.8, 5500, 7000))} for d in (231, 189)]
     runs += [{"variant": "base+pdl", "rc": 1}]
@@ -165,7 +167,11 @@ def test_ab_runs_each_tree_with_its_own_path_and_switches(monkeypatch):
     assert ab.run_env("/b", ab.VARIANTS["base+pdl+fuse_norm"][1], "/c")["RIDGE_FUSE_NORM"] == "1"
     cmd = ab.fast_path_cmd(a, "/b", ["latency"], "/tmp/x.json")
     assert cmd[1] == "/b/benchmarks/fast_path.py" and cmd[-2:] == ["--dtype", "float32"]
-    assert "--no-hf" in cmd and cmd[cmd.index("--only") + 1] == "latency"
+    # a latency-only run also runs a one-request workload: its engine is sized as the full runs'
+    assert "--no-hf" in cmd and cmd[cmd.index("--only") + 1] == "latency,workload"
+    assert cmd[cmd.index("--workload-len-range") + 1:][:2] == ["1024", "1024"]
+    full = ab.fast_path_cmd(a, "/b", list(ab.PARTS), "/tmp/x.json")
+    assert full[full.index("--only") + 1] == "latency,throughput,workload" and "--workload-num-prompts" not in full
 
 
 def test_engine_ready_arguments(monkeypatch):
