@@ -1,15 +1,19 @@
 """GPU benchmark of ridge's Triton attention kernels against torch's attention backends.
 
-    python benchmarks/attention.py [--json PATH]      (default $OUT/attention.json when OUT is set)
+    python benchmarks/attention.py [--json PATH] [--only prefill|decode] [--splits-sweep 32 64 128]
+    (JSON defaults to $OUT/attention.json when OUT is set)
 
-(a) copy bandwidth: a large device-to-device copy, bytes read + written per second;
+(a) the ceiling: the device's copy bandwidth (ridge.roofline's measurement: a large device copy,
+    bytes read + written per second), measured in the same run;
 (b) causal prefill, bf16, 32 heads, hd 128, 16k tokens as B x S = 16x1k, 4x4k, 1x16k: ridge
     (paged cache, page 16, shuffled pages) vs SDPA FlashAttention-2 / cuDNN and FlexAttention on
     contiguous [B, H, S, D]; TFLOP/s with causal FLOPs 4*B*H*S*S*D/2;
 (c) decode, bf16, 32 q / 8 kv heads, hd 128, page 16: K+V bytes read / time, as a fraction of
-    the copy bandwidth, vs SDPA (default backend) on a contiguous cache. Timed as CUDA-graph
-    replays (how the engine runs decode; eager times, which include host launch cost, beside).
-All timings: medians (triton.testing.do_bench / do_bench_cudagraph) on fresh random inputs.
+    the copy bandwidth, vs SDPA (default backend) on a contiguous cache; --splits-sweep also
+    times the decode kernel at the given split counts.
+Timing: benchmarks/timing.py (CUDA-graph replays, per-call median, inputs rotating through sets
+that together exceed 2x L2, fresh random values); FlexAttention, compiled by torch.compile with
+graphs of its own, is timed eagerly between the same events. The table comes last.
 """
 from __future__ import annotations
 
@@ -20,41 +24,16 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import copy_bandwidth_gbps, rotating_sets, time_rotating, try_time  # noqa: E402
+
 from ridge.bench.common import fmt  # noqa: E402
-from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
-from ridge.kernels.decode_attention import _decode_split_kernel, choose_num_splits, decode_attention  # noqa: E402
-from ridge.kernels.prefill_attention import _prefill_kernel, prefill_attention  # noqa: E402
-from ridge.roofline.ceilings import measure_bandwidth  # noqa: E402
 
 PAGE, HEAD_DIM, DT = 16, 128, torch.bfloat16
-
-
-def bench_ms(fn) -> float:
-    fn()  # compile / autotune outside the timed region
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def bench_graph_ms(fn) -> float:
-    """Median of CUDA-graph replays: for a kernel shorter than its host-side launch cost (a B=1
-    decode step is ~40 us, Python launch of split + merge is comparable), eager timing measures
-    the CPU. The engine replays decode steps from CUDA graphs, so this is the number that counts."""
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def try_peer(name, fn, timer=None):
-    try:
-        return (timer or bench_ms)(fn)
-    except Exception as e:  # a missing backend reports n/a instead of ending the run
-        print(f"  {name}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
-        return None
+PREFILL_SHAPES = (1024, 4096, 16384)                 # S; B = 16384 // S
+DECODE_SHAPES = ((1, 32768), (32, 4096), (128, 2048))   # (B, L)
 
 
 def paged_from_contiguous(k, v):
@@ -74,6 +53,7 @@ def paged_from_contiguous(k, v):
 
 
 def make_meta(B, q_len, L, page_tables, slots):
+    from ridge.kernels.attention_meta import AttentionMetadata
     starts = [i * q_len for i in range(B + 1)]
     dev = page_tables.device
     return AttentionMetadata(
@@ -86,154 +66,186 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def copy_bandwidth() -> float:
-    """GB/s read + written by a large device copy: the roofline's own measurement."""
-    return measure_bandwidth(torch.device("cuda"))[0] / 1e9
-
-
-def bench_prefill(S: int, H: int = 32) -> dict:
+def bench_prefill(S: int, args, H: int = 32) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from ridge.kernels.prefill_attention import _prefill_kernel, prefill_attention
     B, D = 16384 // S, HEAD_DIM
-    q, k, v = (torch.randn(B, H, S, D, dtype=DT, device="cuda") for _ in range(3))
     scale = 1.0 / math.sqrt(D)
-    k_cache, v_cache, bt, slots = paged_from_contiguous(k, v)
-    meta = make_meta(B, S, S, bt, slots)
-    q_flat, k_flat, v_flat = (t.transpose(1, 2).reshape(B * S, H, D).contiguous() for t in (q, k, v))
-    out = torch.empty_like(q_flat)
-    res = {"B": B, "S": S, "H": H, "D": D}
-    flops = 4 * B * H * S * S * D / 2
-    tflops = lambda ms: None if ms is None else flops / (ms * 1e-3) / 1e12  # noqa: E731
 
-    res["ridge_ms"] = bench_ms(lambda: prefill_attention(q_flat, k_flat, v_flat, k_cache, v_cache, meta, scale,
-                                                                out=out))
-    res["best_config"] = str(_prefill_kernel.best_config)
-    # correctness on the benchmark inputs: float32 reference for the first and last 128 query rows
-    # of the first sequence (the last ones attend to the whole sequence)
-    rows = torch.cat([torch.arange(128), torch.arange(S - 128, S)]).cuda()
-    s = (q[0][:, rows].float() @ k[0].float().transpose(-1, -2)) * scale
-    s.masked_fill_(torch.arange(S, device="cuda")[None, :] > rows[:, None], float("-inf"))
-    ref = torch.softmax(s, -1) @ v[0].float()                                # [H, rows, D]
-    res["ridge_rel_err"] = rel_err(out[:S][rows].transpose(0, 1), ref)
+    def make_set():
+        q, k, v = (torch.randn(B, H, S, D, dtype=DT, device="cuda") for _ in range(3))
+        k_cache, v_cache, bt, slots = paged_from_contiguous(k, v)
+        flat = [t.transpose(1, 2).reshape(B * S, H, D).contiguous() for t in (q, k, v)]
+        return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, meta=make_meta(B, S, S, bt, slots),
+                    flat=flat, out=torch.empty_like(flat[0]))
+    sets = rotating_sets(make_set, 6 * B * H * S * D * DT.itemsize)     # q, k, v, both caches, out
+    flops = 4 * B * H * S * S * D / 2
+    res = {"B": B, "S": S, "H": H, "D": D, "sets": len(sets)}
+
+    def ridge(s):
+        q, k, v = s["flat"]
+        return prefill_attention(q, k, v, s["k_cache"], s["v_cache"], s["meta"], scale, out=s["out"])
 
     def sdpa(backend):
-        def run():
+        def run(s):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+                return torch.nn.functional.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=True,
+                                                                         scale=scale)
         return run
 
-    res["fa2_ms"] = try_peer("sdpa FLASH_ATTENTION", sdpa(SDPBackend.FLASH_ATTENTION))
-    res["cudnn_ms"] = try_peer("sdpa CUDNN_ATTENTION", sdpa(SDPBackend.CUDNN_ATTENTION))
+    opts = dict(min_calls=args.prefill_calls, reps=args.prefill_reps)
+    timings = {"ridge": try_time("ridge prefill", lambda: time_rotating(ridge, sets, **opts)),
+               "fa2": try_time("sdpa FLASH_ATTENTION", lambda: time_rotating(sdpa(SDPBackend.FLASH_ATTENTION),
+                                                                           sets, **opts)),
+               "cudnn": try_time("sdpa CUDNN_ATTENTION", lambda: time_rotating(sdpa(SDPBackend.CUDNN_ATTENTION),
+                                                                             sets, **opts))}
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
         flex = torch.compile(flex_attention)
-        res["flex_ms"] = try_peer("flex_attention", lambda: flex(q, k, v, block_mask=mask, scale=scale))
-    except Exception as e:
+        timings["flex"] = try_time("flex_attention", lambda: time_rotating(
+            lambda s: flex(s["q"], s["k"], s["v"], block_mask=mask, scale=scale), sets, graph=False, **opts))
+    except Exception as e:  # noqa: BLE001 - a missing peer reports n/a
         print(f"  flex_attention: n/a ({type(e).__name__})")
-        res["flex_ms"] = None
-    for name in ("ridge", "fa2", "cudnn", "flex"):
-        res[f"{name}_tflops"] = tflops(res[f"{name}_ms"])
-    for peer in ("fa2", "cudnn"):
+        timings["flex"] = None
+    res["best_config"] = str(getattr(_prefill_kernel, "best_config", None))
+    # correctness on the benchmark inputs: float32 reference for the first and last 128 query rows
+    # of the first sequence (the last ones attend to the whole sequence)
+    s0 = sets[0]
+    ridge(s0)
+    q, k, v = s0["q"], s0["k"], s0["v"]
+    rows = torch.cat([torch.arange(128), torch.arange(S - 128, S)]).cuda()
+    sc = (q[0][:, rows].float() @ k[0].float().transpose(-1, -2)) * scale
+    sc.masked_fill_(torch.arange(S, device="cuda")[None, :] > rows[:, None], float("-inf"))
+    ref = torch.softmax(sc, -1) @ v[0].float()                                # [H, rows, D]
+    res["ridge_rel_err"] = rel_err(s0["out"][:S][rows].transpose(0, 1), ref)
+    for name, t in timings.items():
+        res[f"{name}_timing"] = t and t.as_dict()
+        res[f"{name}_us"] = t and t.median_us
+        res[f"{name}_tflops"] = t and flops / (t.median_us * 1e-6) / 1e12
+    for peer in ("fa2", "cudnn", "flex"):
         res[f"ridge_over_{peer}"] = (res["ridge_tflops"] / res[f"{peer}_tflops"]
-                                     if res[f"{peer}_tflops"] else None)
+                                     if res["ridge_tflops"] and res[f"{peer}_tflops"] else None)
     return res
 
 
-def bench_decode(B: int, L: int, copy_gbps: float, H: int = 32, KVH: int = 8, sweep=()) -> dict:
+def bench_decode(B: int, L: int, copy_gbps: float, args, sweep=(), H: int = 32, KVH: int = 8) -> dict:
+    from ridge.kernels.decode_attention import _decode_split_kernel, choose_num_splits, decode_attention
     D = HEAD_DIM
-    k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
-    q = torch.randn(B, H, D, dtype=DT, device="cuda")
     scale = 1.0 / math.sqrt(D)
-    k_cache, v_cache, bt, slots = paged_from_contiguous(k, v)
-    meta = make_meta(B, 1, L, bt, slots.view(B, L)[:, -1])  # the one new token per sequence
-    out = torch.empty_like(q)
-    kv_bytes = 2 * B * L * KVH * D * k.element_size()
-    res = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "kv_bytes": kv_bytes,
-           "num_splits": choose_num_splits(B, KVH, L, q.device)}
-    run = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out)  # noqa: E731
-    res["ridge_eager_ms"] = bench_ms(run)
-    res["best_config"] = str(_decode_split_kernel.best_config)  # the autotuner's pick for this shape
-    res["ridge_ms"] = bench_graph_ms(run)
-    res["ridge_ms_again"] = bench_graph_ms(run)
-    # the split count is the decode kernel's main lever: time a few around the heuristic's choice
-    frac = lambda ms: kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
+
+    def make_set():
+        k, v = (torch.randn(B, KVH, L, D, dtype=DT, device="cuda") for _ in range(2))
+        q = torch.randn(B, H, D, dtype=DT, device="cuda")
+        k_cache, v_cache, bt, slots = paged_from_contiguous(k, v)
+        meta = make_meta(B, 1, L, bt, slots.view(B, L)[:, -1])  # the one new token per sequence
+        return dict(q=q, k=k, v=v, q4=q.view(B, H, 1, D), k_cache=k_cache, v_cache=v_cache, meta=meta,
+                    out=torch.empty_like(q))
+    kv_bytes = 2 * B * L * KVH * D * DT.itemsize
+    sets = rotating_sets(make_set, 2 * kv_bytes)          # the paged cache and the contiguous one
+    res = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "kv_bytes": kv_bytes, "sets": len(sets),
+           "num_splits": choose_num_splits(B, KVH, L, torch.device("cuda"))}
+    opts = dict(min_calls=args.decode_calls, reps=args.decode_reps)
+
+    def ridge(s, num_splits=None):
+        return decode_attention(s["q"], s["k_cache"], s["v_cache"], s["meta"], scale, out=s["out"],
+                                num_splits=num_splits)
+
+    def sdpa(s):
+        return torch.nn.functional.scaled_dot_product_attention(s["q4"], s["k"], s["v"], scale=scale,
+                                                                 enable_gqa=True)
+    frac = lambda t: t and kv_bytes / (t.median_us * 1e-6) / 1e9 / copy_gbps  # noqa: E731
+    timings = {"ridge": try_time("ridge decode", lambda: time_rotating(ridge, sets, **opts)),
+               "ridge_again": try_time("ridge decode", lambda: time_rotating(ridge, sets, **opts)),
+               "sdpa": try_time("sdpa decode", lambda: time_rotating(sdpa, sets, **opts))}
+    res["best_config"] = str(getattr(_decode_split_kernel, "best_config", None))
     res["splits_sweep"] = {}
-    for s in sweep:
-        at_s = lambda: decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=s)  # noqa: E731
-        res["splits_sweep"][s] = {"frac": frac(bench_graph_ms(at_s))}
-    qg = q.view(B, KVH, H // KVH, D).float()
+    for n in sweep:
+        t = try_time(f"ridge decode splits={n}", lambda n=n: time_rotating(lambda s: ridge(s, n), sets, **opts))
+        res["splits_sweep"][n] = {"us": t and t.median_us, "frac": frac(t)}
+    s0 = sets[0]
+    ridge(s0)
+    qg = s0["q"].view(B, KVH, H // KVH, D).float()
     ref = torch.empty(B, KVH, H // KVH, D, device="cuda")
     for b in range(B):  # float32 reference, one sequence at a time to bound memory
-        p = torch.softmax(qg[b] @ k[b].float().transpose(-1, -2) * scale, -1)
-        ref[b] = p @ v[b].float()
-    res["ridge_rel_err"] = rel_err(out.view(B, KVH, H // KVH, D), ref)
-    q4 = q.view(B, H, 1, D)
-    sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
-    res["sdpa_eager_ms"] = try_peer("sdpa decode", sdpa)
-    res["sdpa_ms"] = try_peer("sdpa decode (graph)", sdpa, bench_graph_ms)
-    for name in ("ridge", "sdpa"):
-        ms = res.get(f"{name}_ms")
-        res[f"{name}_GBps"] = None if ms is None else kv_bytes / (ms * 1e-3) / 1e9
-        res[f"{name}_frac_copy_bw"] = None if ms is None else res[f"{name}_GBps"] / copy_gbps
+        p = torch.softmax(qg[b] @ s0["k"][b].float().transpose(-1, -2) * scale, -1)
+        ref[b] = p @ s0["v"][b].float()
+    res["ridge_rel_err"] = rel_err(s0["out"].view(B, KVH, H // KVH, D), ref)
+    for name, t in timings.items():
+        res[f"{name}_timing"] = t and t.as_dict()
+        res[f"{name}_us"] = t and t.median_us
+        res[f"{name}_GBps"] = t and kv_bytes / (t.median_us * 1e-6) / 1e9
+        res[f"{name}_frac_copy_bw"] = frac(t)
+    res["ridge_over_sdpa"] = (res["sdpa_us"] / res["ridge_us"]) if res["ridge_us"] and res["sdpa_us"] else None
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     out_dir = os.environ.get("OUT")
     ap.add_argument("--json", default=os.path.join(out_dir, "attention.json") if out_dir else None)
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--splits-sweep", type=int, nargs="*", default=[],
                     help="also time the decode kernel at these split counts (fraction of copy bandwidth)")
     ap.add_argument("--sweep-b1-only", action="store_true", help="apply --splits-sweep to the B=1 shape only")
-    args = ap.parse_args()
+    ap.add_argument("--prefill-calls", type=int, default=4, help="prefill calls per graph (at least)")
+    ap.add_argument("--prefill-reps", type=int, default=10, help="timed prefill replays (median)")
+    ap.add_argument("--decode-calls", type=int, default=20, help="decode calls per graph (at least)")
+    ap.add_argument("--decode-reps", type=int, default=30, help="timed decode replays (median)")
+    args = ap.parse_args(argv)
+    if min(args.prefill_calls, args.prefill_reps, args.decode_calls, args.decode_reps) < 1:
+        ap.error("--*-calls and --*-reps must be positive")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/attention.py needs a CUDA GPU")
-    torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__}
-    copy_gbps = copy_bandwidth()
-    result["copy_GBps"] = copy_gbps
-    result["prefill"] = []
-    for S in (1024, 4096, 16384) if args.only != "decode" else ():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU (the kernels' CPU checks are "
+                 "tests/test_attention_kernels.py under TRITON_INTERPRET=1)")
+    import triton
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "timing": "benchmarks/timing.py: CUDA-graph replays, per-call median, rotating inputs > 2x L2"}
+    copy_gbps = result["copy_GBps"] = copy_bandwidth_gbps()
+    result["prefill"], result["decode"] = [], []
+    for S in PREFILL_SHAPES if args.only != "decode" else ():
         print(f"prefill S={S} ...", flush=True)
-        result["prefill"].append(bench_prefill(S))
+        result["prefill"].append(bench_prefill(S, args))
         torch.cuda.empty_cache()
-    result["decode"] = []
-    for B, L in ((1, 32768), (32, 4096), (128, 2048)) if args.only != "prefill" else ():
+    for B, L in DECODE_SHAPES if args.only != "prefill" else ():
         print(f"decode B={B} L={L} ...", flush=True)
         sweep = args.splits_sweep if (B == 1 or not args.sweep_b1_only) else ()
-        result["decode"].append(bench_decode(B, L, copy_gbps, sweep=sweep))
+        result["decode"].append(bench_decode(B, L, copy_gbps, args, sweep=sweep))
         torch.cuda.empty_cache()
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
-    print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s")
-    print("prefill causal bf16, H=32, D=128           TFLOP/s                      ratio ridge/")
-    print(f"{'B':>4} {'S':>6} {'ridge':>7} {'FA2':>7} {'cuDNN':>7} {'flex':>7} {'FA2':>6} {'cuDNN':>6} {'rel_err':>9}")
-    for r in result["prefill"]:
-        print(f"{r['B']:>4} {r['S']:>6} {fmt(r['ridge_tflops'], '.1f'):>7} {fmt(r['fa2_tflops'], '.1f'):>7} "
-              f"{fmt(r['cudnn_tflops'], '.1f'):>7} {fmt(r['flex_tflops'], '.1f'):>7} "
-              f"{fmt(r['ridge_over_fa2'], '.2f'):>6} {fmt(r['ridge_over_cudnn'], '.2f'):>6} "
-              f"{r['ridge_rel_err']:>9.2e}")
-        print(f"      autotune pick: {r['best_config']}")
-    print("decode bf16, 32 q / 8 kv heads, D=128, page 16, CUDA-graph replays   (GB/s, fraction of copy bandwidth)")
-    print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'GB/s':>6} {'frac':>5} "
-          f"{'sdpa us':>8} {'GB/s':>6} {'frac':>5} {'rel_err':>9}")
-    for r in result["decode"]:
-        sdpa_us = None if r["sdpa_ms"] is None else r["sdpa_ms"] * 1e3
-        print(f"      autotune pick: {r['best_config']}; graph timed again: {r['ridge_ms_again'] * 1e3:.1f} us; "
-              f"eager: ridge {r['ridge_eager_ms'] * 1e3:.1f} us, sdpa {fmt(r['sdpa_eager_ms'] and r['sdpa_eager_ms'] * 1e3, '.1f')} us")
-        print(f"{r['B']:>4} {r['L']:>6} {r['num_splits']:>6} {r['ridge_ms'] * 1e3:>9.1f} "
-              f"{fmt(r['ridge_GBps'], '.0f'):>6} {fmt(r['ridge_frac_copy_bw'], '.2f'):>5} "
-              f"{fmt(sdpa_us, '.1f'):>8} {fmt(r['sdpa_GBps'], '.0f'):>6} "
-              f"{fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} {r['ridge_rel_err']:>9.2e}")
-        if r["splits_sweep"]:
-            print("      splits -> frac of copy bw: " + "  ".join(
-                f"{s}:{w['frac']:.2f}" for s, w in r["splits_sweep"].items()))
+    print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s; CUDA-graph replays, medians")
+    if result["prefill"]:
+        print("prefill causal bf16, H=32, D=128           TFLOP/s                      ratio ridge/")
+        print(f"{'B':>4} {'S':>6} {'ridge':>7} {'FA2':>7} {'cuDNN':>7} {'flex':>7} {'FA2':>6} {'cuDNN':>6} "
+              f"{'flex':>6} {'rel_err':>9}")
+        for r in result["prefill"]:
+            print(f"{r['B']:>4} {r['S']:>6} {fmt(r['ridge_tflops'], '.1f'):>7} {fmt(r['fa2_tflops'], '.1f'):>7} "
+                  f"{fmt(r['cudnn_tflops'], '.1f'):>7} {fmt(r['flex_tflops'], '.1f'):>7} "
+                  f"{fmt(r['ridge_over_fa2'], '.2f'):>6} {fmt(r['ridge_over_cudnn'], '.2f'):>6} "
+                  f"{fmt(r['ridge_over_flex'], '.2f'):>6} {r['ridge_rel_err']:>9.2e}")
+    if result["decode"]:
+        print("decode bf16, 32 q / 8 kv heads, D=128, page 16   (frac = K+V bytes / time / copy bandwidth)")
+        print(f"{'B':>4} {'L':>6} {'splits':>6} {'ridge us':>9} {'frac':>5} {'again us':>9} {'sdpa us':>8} "
+              f"{'frac':>5} {'sdpa/ridge':>10} {'rel_err':>9}")
+        for r in result["decode"]:
+            print(f"{r['B']:>4} {r['L']:>6} {r['num_splits']:>6} {fmt(r['ridge_us'], '.1f'):>9} "
+                  f"{fmt(r['ridge_frac_copy_bw'], '.2f'):>5} {fmt(r['ridge_again_us'], '.1f'):>9} "
+                  f"{fmt(r['sdpa_us'], '.1f'):>8} {fmt(r['sdpa_frac_copy_bw'], '.2f'):>5} "
+                  f"{fmt(r['ridge_over_sdpa'], '.2f'):>10} {r['ridge_rel_err']:>9.2e}")
+            if r["splits_sweep"]:
+                print("      splits -> frac of copy bw: " + "  ".join(
+                    f"{n}:{fmt(w['frac'], '.2f')}" for n, w in r["splits_sweep"].items()))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,14 @@ Cases: the decode projections of Llama-3-8B (qkv 6144x4096, o 4096x4096, gate_up
 down 4096x14336, lm_head 128256x4096) and Qwen3-0.6B (qkv 4096x1024, o 1024x2048, gate_up
 6144x1024, down 1024x3072, lm_head 151936x1024), N x K, bf16, at M = 1, 2, 4, 8 rows (the decode
 CUDA-graph buckets). `down+silu` is the down projection fed the merged gate/up output [M, 2K]:
-ridge fuses silu(gate) * up into the GEMV (one kernel); its peer is what the engine ran before,
-ridge's silu_and_mul kernel and then F.linear.
+ridge fuses silu(gate) * up into the GEMV (one kernel); its peer is ridge's silu_and_mul kernel
+and then F.linear (cuBLAS).
 
-Timing: each measurement is a CUDA graph of back-to-back calls (at least 20), replayed; the time
-per call is the replay time / calls, median of --reps replays after warm-up, so kernel
-boundaries cost what they cost inside a decode graph (cuBLAS's split-K reduce kernels
-included). The calls rotate through enough weight copies that the copies together exceed twice
-the L2 (a weight is never re-read from L2), and through fresh random inputs (torch.randn).
+Timing: benchmarks/timing.py: each measurement is a CUDA graph of back-to-back calls (at least
+--calls), replayed; the time per call is the replay time / calls, median of --reps replays after
+warm-up, so kernel boundaries cost what they cost inside a decode graph (cuBLAS's split-K reduce
+kernels included). The calls rotate through enough weight copies that the copies together exceed
+twice the L2 (a weight is never re-read from L2), and through fresh random inputs (torch.randn).
 GB/s = (weight + x + y bytes) / time; frac = that / the device's copy bandwidth, measured in the
 same run (ridge.roofline.ceilings.measure_bandwidth: a 1 GiB device copy, read + written).
 `ridge/cuBLAS` is the ratio of times (< 1: ridge is faster). err = max |y - ref| / max |ref|
@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls  # noqa: E402
+
 from ridge.bench.common import fmt  # noqa: E402
 
 DT = torch.bfloat16
@@ -82,47 +83,16 @@ def sweep_cases(rows) -> list[dict]:
 
 
 def weight_copies(n: int, k: int, l2_bytes: int) -> int:
-    """Copies whose total exceeds 2x L2, so no call finds its weight in L2."""
-    return 2 * l2_bytes // (n * k * DT.itemsize) + 1
+    """Weight copies whose total exceeds 2x L2, so no call finds its weight in L2."""
+    return copies_for(n * k * DT.itemsize, l2_bytes)
 
 
-def calls_per_graph(copies: int, min_calls: int) -> int:
-    """A multiple of the copies (each copy's reuse distance is the same on every replay)."""
-    return copies * math.ceil(min_calls / copies)
+calls_per_graph = calls_for     # a multiple of the copies, at least the minimum
 
 
 def case_bytes(c: dict) -> int:
     kx = 2 * c["K"] if c["act"] else c["K"]
     return (c["N"] * c["K"] + c["M"] * kx + c["M"] * c["N"]) * DT.itemsize
-
-
-# ----------------------------------------------------------------------------------------- timing
-def graph_us(fns, reps: int) -> float:
-    """Capture fns (one graph, back to back), replay; median us per call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:      # compile / pick cuBLAS kernels outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
 
 
 class Operands:
@@ -171,7 +141,7 @@ def run_case(c, gen, l2_bytes, copy_gbps, args) -> dict:
     del ref
     for peer, fns in (("ridge", ridge_fns(c, ops)), ("cublas", cublas_fns(c, ops))):
         try:
-            us = graph_us(fns, args.reps)
+            us = time_calls(fns, sets=ops.copies, reps=args.reps).median_us
         except Exception as e:  # noqa: BLE001 - a failing peer reports n/a, the run goes on
             print(f"  {peer}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
             us = None
@@ -194,7 +164,7 @@ def run_sweep_case(c, gen, l2_bytes, copy_gbps, args) -> dict:
     for cfg in configs:
         t0 = time.perf_counter()
         try:
-            us = graph_us(ridge_fns(c, ops, cfg), args.sweep_reps)
+            us = time_calls(ridge_fns(c, ops, cfg), sets=ops.copies, reps=args.sweep_reps).median_us
             out["results"].append({"config": list(cfg), "us": us, "frac": nbytes / (us * 1e-6) / 1e9 / copy_gbps})
         except Exception as e:  # noqa: BLE001 - out of resources / compile failure: skip the config
             out["results"].append({"config": list(cfg), "us": None, "error": f"{type(e).__name__}: {str(e)[:160]}"})
@@ -265,13 +235,12 @@ def main(argv=None) -> None:
                  "checks are tests/test_gemv.py under TRITON_INTERPRET=1)")
     import triton
 
-    from ridge.roofline.ceilings import measure_bandwidth
     t_start = time.perf_counter()
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     props = torch.cuda.get_device_properties(0)
-    l2_bytes = getattr(props, "L2_cache_size", 0) or (50 << 20)
-    copy_gbps = measure_bandwidth(torch.device("cuda"))[0] / 1e9
+    l2_bytes = device_l2_bytes()
+    copy_gbps = copy_bandwidth_gbps()
     result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2_bytes,
               "torch": torch.__version__, "triton": triton.__version__, "seed": seed, "dtype": str(DT),
               "copy_GBps": copy_gbps, "calls_min": args.calls, "reps": args.reps, "rows": [], "sweep": []}

@@ -1,70 +1,129 @@
 #!/usr/bin/env bash
-# One device call that runs the GPU checks and benchmarks named in PARTS (comma-separated), in
-# the order given below, each under its own timeout; one log ($OUT/run.log) and the JSON under
-# $OUT (the device tool brings back at most 8 files):
-#   kernels     pytest -m gpu on every kernel's test file (attention, fused, gemv, rope+kv write)
-#   attention   benchmarks/attention.py (prefill and decode vs SDPA / Flex)
-#   decode      benchmarks/attention.py --only decode; SPLITS="32 64 128" adds
-#               a B=1 split-count sweep
-#   gemv        benchmarks/gemv.py (ridge's small-batch GEMV vs cuBLAS at the 8B / 0.6B shapes)
-#   fused       benchmarks/fused_kernels.py
-#   latency     benchmarks/fast_path.py (a) on the 8B shape: default and async scheduling off
-#   fastpath    benchmarks/fast_path.py (a)-(c) on the 8B shape, HF transformers in the same run
-#   qwen        benchmarks/fast_path.py (a) and (c) on a Qwen3-0.6B-shaped checkpoint (ridge only)
-#   engine      pytest -m gpu tests/test_gpu_engine.py (transformers parity, graphs on / off)
-#   roofline    pytest -m gpu tests/test_roofline.py and `ridge roofline` on the 8B shape
-# The Llama-3-8B-shaped random checkpoint is written (by transformers) when a part needs it.
+# The one GPU script: runs the parts named in PARTS (comma-separated) in the order below, each
+# under its own timeout, inside an overall budget (BUDGET_S, default 560 s: a part that would not
+# fit in what is left is skipped and the summary says so). Output under $OUT (the device tool
+# brings back at most 8 files): run.log (everything), tests.log (the pytest parts), summary.txt,
+# and one JSON per benchmark part that ran; a short table comes last.
+#   tests-kernels  pytest -m gpu on the kernel test files
+#   attention      benchmarks/attention.py            -> attention.json
+#   gemv           benchmarks/gemv.py                 -> gemv.json
+#   fused          benchmarks/fused_kernels.py        -> fused_kernels.json
+#   ab             benchmarks/ab.py: this tree vs the baseline export (.baseline/, written by
+#                  benchmarks/make_baseline.sh and carried along) on the 8B shape -> ab.json
+#   dummy          benchmarks/engine_ready.py: 8B-shaped engine ready time, --load-format dummy,
+#                  cold then warm compile cache -> engine_ready.json
+#   tests-engine   pytest -m gpu on the remaining GPU test files (engine, roofline)
+#   fastpath       benchmarks/fast_path.py (a)-(c) on the 8B shape with the HF peer -> fast_path_8b.json
+# The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
+# when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
+# waits for it to finish first.
+#   PARTS=tests-kernels,ab,dummy,tests-engine bash benchmarks/gpu_run.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=.
+export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 mkdir -p "$OUT"
-PARTS=${PARTS:-kernels,decode,latency}
+PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
+BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
+BASELINE=${BASELINE:-.baseline/5e4f924}
+KNOWN=tests-kernels,attention,gemv,fused,ab,dummy,tests-engine,fastpath
+KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py"
+LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
+: > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee -a "$OUT/run.log"
-if has latency || has fastpath || has engine || has roofline; then
-  [ -f "$CKPT/config.json" ] || python3 -m ridge.utils.random_checkpoint "$CKPT" --preset llama3-8b \
-      --dtype bfloat16 --device cuda > /tmp/ridge-checkpoint.log 2>&1 &
+for p in ${PARTS//,/ }; do
+  [[ ",$KNOWN," == *",$p,"* ]] || { echo "gpu_run.sh: unknown part '$p' (known: $KNOWN)" >&2; exit 2; }
+done
+left() { echo $((BUDGET_S - SECONDS)); }
+note() { echo "$*" | tee -a "$SUMMARY" "$LOG"; }
+# part NAME NEED_S MAX_S COMMAND: runs COMMAND (a bash string) under timeout min(MAX_S, time left)
+part() {
+  local name=$1 need=$2 max=$3 cmd=$4 l t0 rc
+  has "$name" || return 0
+  l=$(left)
+  if (( l < need )); then note "$name: SKIPPED (needs ~$need s, $l s of BUDGET_S=$BUDGET_S left)"; return 0; fi
+  (( max > l - 5 )) && max=$((l - 5))
+  echo "=== $name (timeout $max s, $l s left) ===" | tee -a "$LOG"
+  t0=$SECONDS
+  timeout "$max" bash -c "set -o pipefail; $cmd" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  note "$name: rc=$rc$( ((rc == 124)) && echo ' (timed out)') in $((SECONDS - t0)) s"
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader \
+  | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+git rev-parse HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$LOG"
+CKPT_PID=
+if { has ab || has tests-engine || has fastpath; } && [ ! -f "$CKPT/config.json" ]; then
+  python3 -m ridge.utils.random_checkpoint "$CKPT" --preset llama3-8b --dtype bfloat16 --device cuda \
+    > /tmp/ridge-checkpoint.log 2>&1 &
+  CKPT_PID=$!
 fi
-if has kernels; then
-  timeout ${KERNEL_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_attention_kernels.py tests/test_fused_kernels.py \
-    tests/test_gemv.py tests/test_rope_kv_write.py 2>&1 | tee -a "$OUT/run.log" | tail -4
+wait_ckpt() {
+  [ -n "$CKPT_PID" ] || return 0
+  wait "$CKPT_PID"; local rc=$?; CKPT_PID=
+  note "8B checkpoint written: rc=$rc at $SECONDS s"
+  ((rc == 0)) || tail -5 /tmp/ridge-checkpoint.log | tee -a "$LOG"
+}
+present=""; for f in $KERNEL_TESTS; do [ -f "$f" ] && present+=" $f"; done
+rest=""; for f in $(grep -l "mark.gpu" tests/test_*.py); do [[ " $KERNEL_TESTS " == *" $f "* ]] || rest+=" $f"; done
+
+part tests-kernels 60 240 "python3 -m pytest -q -m gpu $present 2>&1 | tee -a $TESTS | tail -15"
+# the timed parts run alone on the device: the checkpoint writer finishes first
+if has attention || has gemv || has fused; then wait_ckpt; fi
+part attention 60 240 "python3 benchmarks/attention.py --json $OUT/attention.json"
+part gemv 60 200 "python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json $OUT/gemv.json | tail -${GEMV_TAIL:-60}"
+part fused 60 180 "python3 benchmarks/fused_kernels.py --json $OUT/fused_kernels.json"
+if has ab; then
+  wait_ckpt
+  if [ -f "$BASELINE/benchmarks/fast_path.py" ]; then
+    # ab.py starts no run that would not end inside what is left (its longest run so far as the guide)
+    part ab 200 600 "python3 benchmarks/ab.py --model $CKPT --baseline $BASELINE --json $OUT/ab.json \
+      --budget-s \$(( $(left) - 40 )) ${AB_ARGS:-}"
+  else
+    note "ab: SKIPPED ($BASELINE missing: run benchmarks/make_baseline.sh and carry .baseline)"
+  fi
 fi
-if has attention; then
-  timeout 240 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/run.log" | tail -20
-fi
-if has decode; then
-  timeout 200 python3 benchmarks/attention.py --only decode ${SPLITS:+--splits-sweep $SPLITS --sweep-b1-only} \
-    --json "$OUT/attention_decode.json" 2>&1 | tee -a "$OUT/run.log" | tail -24
-fi
-if has gemv; then
-  timeout 200 python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 | tee -a "$OUT/run.log" | tail -${GEMV_TAIL:-50}
-fi
-if has fused; then
-  timeout 150 python3 benchmarks/fused_kernels.py --json "$OUT/fused_kernels.json" 2>&1 | tee -a "$OUT/run.log" | tail -22
-fi
-wait
-if has latency; then
-  timeout 300 python3 benchmarks/fast_path.py --model "$CKPT" --only latency --no-hf --no-progress --latency-also-sync \
-    --max-num-seqs ${MAX_SEQS:-256} \
-    --json "$OUT/latency_8b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -10
-fi
-if has fastpath; then
-  timeout 500 python3 benchmarks/fast_path.py --model "$CKPT" --no-progress ${FASTPATH_ARGS:-} \
-    --json "$OUT/fast_path_8b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -24
-fi
-if has qwen; then   # issue 5 (c) on the small model: the host's share matters most there
-  Q=/tmp/ridge-qwen3-0.6b
-  [ -f "$Q/config.json" ] || python3 -m ridge.utils.random_checkpoint "$Q" --arch qwen3 --preset qwen3-0.6b \
-      --dtype bfloat16 --device cuda > /tmp/ridge-qwen-checkpoint.log 2>&1
-  timeout 300 python3 benchmarks/fast_path.py --model "$Q" --only latency,workload --no-hf --no-progress \
-    --json "$OUT/fast_path_qwen3_0.6b.json" 2>&1 | grep -v -i warn | tee -a "$OUT/run.log" | tail -12
-fi
-if has engine; then
-  RIDGE_TEST_BACKENDS=${RIDGE_TEST_BACKENDS:-triton,triton-eager} RIDGE_8B_PATH="$CKPT" timeout ${ENGINE_TIMEOUT:-400} \
-    python3 -m pytest -q -m gpu tests/test_gpu_engine.py 2>&1 | tee -a "$OUT/run.log" | tail -6
-fi
-if has roofline; then
-  timeout 150 python3 -m pytest -q -m gpu tests/test_roofline.py 2>&1 | tee -a "$OUT/run.log" | tail -3
-  timeout 240 python3 -m ridge.cli roofline --model "$CKPT" --device cuda --dtype bfloat16 --batch 1 64 \
-    --context 4096 --prefill-len 4096 --predict --out "$OUT/roofline-8b" 2>&1 | tail -45
-fi
+has dummy && wait_ckpt
+part dummy 60 300 "python3 benchmarks/engine_ready.py --json $OUT/engine_ready.json"
+wait_ckpt
+part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
+part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
+  --json $OUT/fast_path_8b.json 2>&1 | grep -v -i warn | tail -24"
+
+{
+  echo
+  echo "gpu_run.sh: PARTS=$PARTS, ${SECONDS} s of BUDGET_S=$BUDGET_S"
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+ab = load("ab.json")
+if ab:
+    s = ab.get("summary", {})
+    for key, label in (("latency.decode_tokens_per_s", "(a) b=1 decode tok/s"), ("latency.mbu", "(a) MBU"),
+                       ("throughput.output_tokens_per_s", "(b) output tok/s"),
+                       ("workload.output_tokens_per_s", "(c) output tok/s")):
+        cells = []
+        for v, e in s.items():
+            if key in e:
+                m, r = e[key]["median"], e[key]["ratio_to_base"]
+                ratio = "" if r is None else f" ({r:.3f}x)"
+                cells.append(f"{v} {m:.1%}" if key.endswith("mbu") else f"{v} {m:.1f}{ratio}")
+        print(f"ab  {label:<22} " + "; ".join(cells))
+    ov = ab.get("overlap") or {}
+    print(f"ab  overlap fraction (this, b=1)  {ov.get('overlap_fraction')}  {ov.get('error', '')[:200]}")
+er = load("engine_ready.json")
+if er:
+    runs = ", ".join(f"{r['cache']} {r.get('spawn_to_ready_s', float('nan')):.1f} s" for r in er["runs"])
+    print(f"dummy  8B engine ready: {runs}; target <= {er['target_s']:.0f} s warm: "
+          f"{'met' if er['meets_target'] else 'NOT met'}")
+PY
+  for f in "$TESTS"; do [ -f "$f" ] && grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$f" | tail -12; done
+} 2>&1 | tee -a "$SUMMARY" "$LOG" > /dev/null
+echo; echo "=== summary ==="; cat "$SUMMARY"

@@ -1,0 +1,170 @@
+"""The one timing helper of ridge's kernel benchmarks: CUDA-graph replays over rotating inputs.
+
+    sets = rotating_sets(make_set, bytes_per_set)        # together > 2x L2, fresh random values
+    t = time_rotating(lambda s: kernel(s["x"], s["w"], out=s["y"]), sets)
+    t.median_us                                          # per call, median over the replays
+
+Why this shape:
+  * A decode step runs its kernels from a CUDA graph, so a kernel is timed as the engine runs it:
+    `calls` back-to-back calls are captured once into one graph, the graph is replayed `reps`
+    times after `warmup` untimed replays, each replay bracketed by a pair of CUDA events; the
+    time per call is replay time / calls, and the reported figure is the median over replays
+    (min, max and the relative spread beside it). Launch gaps inside a graph cost what they cost
+    in a decode step; host launch overhead does not enter.
+  * A weight or input that fits in L2 would be read from L2 on the next replay, which the engine
+    never sees (a decode step streams every weight from HBM once). The calls therefore rotate
+    through several input sets whose total size exceeds twice the L2 (`copies_for`), every set
+    drawn from fresh random values (zeros can run faster than real data and hide unwritten
+    outputs); the number of calls is a multiple of the sets, so every set is re-used at the same
+    distance on every replay.
+  * A callable that cannot be captured (a peer that synchronises, or a compiled function with its
+    own graphs) is timed eagerly between the same event pairs, and the result says so (`mode`).
+
+The replay clock is injectable (`Replayer`), so the median / rotation logic is tested on the CPU
+with a fake clock (tests/test_benchmark_scripts.py).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+DEFAULT_L2_BYTES = 50 << 20      # used only when the device does not report its L2 size
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call time of one measurement (microseconds), from `reps` timed replays."""
+    median_us: float
+    min_us: float
+    max_us: float
+    reps: int
+    calls: int              # calls per replay (captured in one graph, or run eagerly)
+    sets: int               # distinct input sets the calls rotate through
+    mode: str               # "graph" or "eager"
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how far apart the replays were."""
+        return (self.max_us - self.min_us) / self.median_us if self.median_us else float("nan")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "spread": self.spread}
+
+
+def copies_for(bytes_per_set: int, l2_bytes: int) -> int:
+    """The fewest sets whose total size exceeds twice the L2 (1 if one set already does)."""
+    if bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set must be positive, got {bytes_per_set}")
+    return 2 * l2_bytes // bytes_per_set + 1
+
+
+def calls_for(sets: int, min_calls: int) -> int:
+    """Calls per replay: at least min_calls, a multiple of the sets."""
+    return sets * max(1, math.ceil(min_calls / sets))
+
+
+def summarize(replay_ms: Sequence[float], calls: int, sets: int, mode: str) -> Timing:
+    """Per-call statistics of timed replays (each `calls` calls long), in microseconds."""
+    if not replay_ms:
+        raise ValueError("no timed replays")
+    per_call = [ms * 1e3 / calls for ms in replay_ms]
+    return Timing(statistics.median(per_call), min(per_call), max(per_call), len(per_call), calls, sets, mode)
+
+
+class Replayer:
+    """Captures a list of calls into one CUDA graph and times each replay with CUDA events."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+
+    def prepare(self, fns: Sequence[Callable[[], object]], graph: bool) -> Callable[[], None]:
+        torch = self.torch
+        # compile, autotune and pick library kernels before capture, on a side stream as capture wants
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        if not graph:
+            def run_all():
+                for f in fns:
+                    f()
+            return run_all
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        self._graph = g         # kept alive as long as the replayer
+        return g.replay
+
+    def time_ms(self, run: Callable[[], None]) -> float:
+        torch = self.torch
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+
+def time_calls(fns: Sequence[Callable[[], object]], *, sets: int = 1, reps: int = 30, warmup: int = 3,
+               graph: bool = True, replayer=None) -> Timing:
+    """Time one replay of all `fns` (back to back), `reps` times after `warmup`; per-call median."""
+    if not fns or reps < 1 or warmup < 0:
+        raise ValueError("time_calls: need calls, reps >= 1 and warmup >= 0")
+    rp = replayer if replayer is not None else Replayer()
+    run = rp.prepare(fns, graph)
+    for _ in range(warmup):
+        rp.time_ms(run)
+    times = [rp.time_ms(run) for _ in range(reps)]
+    return summarize(times, len(fns), sets, "graph" if graph else "eager")
+
+
+def time_rotating(fn: Callable[[object], object], sets: Sequence[object], *, min_calls: int = 20,
+                  reps: int = 30, warmup: int = 3, graph: bool = True, replayer=None) -> Timing:
+    """Time fn(set) with the calls rotating through `sets` (call i uses sets[i % len(sets)])."""
+    if not sets:
+        raise ValueError("time_rotating: no input sets")
+    n = calls_for(len(sets), min_calls)
+    fns = [(lambda s=sets[i % len(sets)]: fn(s)) for i in range(n)]
+    return time_calls(fns, sets=len(sets), reps=reps, warmup=warmup, graph=graph, replayer=replayer)
+
+
+def l2_bytes(device=None) -> int:
+    """The device's L2 size (DEFAULT_L2_BYTES where it is not reported)."""
+    import torch
+    props = torch.cuda.get_device_properties(device if device is not None else 0)
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def rotating_sets(make_set: Callable[[], object], bytes_per_set: int, l2: int | None = None,
+                  max_sets: int = 100_000) -> list:
+    """Enough sets from make_set() (each drawn fresh) that together they exceed 2x L2."""
+    n = copies_for(bytes_per_set, l2 if l2 is not None else l2_bytes())
+    if n > max_sets:
+        raise ValueError(f"{n} input sets of {bytes_per_set} bytes needed to exceed 2x L2; raise max_sets")
+    return [make_set() for _ in range(n)]
+
+
+def copy_bandwidth_gbps() -> float:
+    """The measured HBM ceiling, GB/s read + written by a large device copy (ridge.roofline's own
+    measurement): every benchmark's fraction of the ceiling divides by this."""
+    import torch
+
+    from ridge.roofline.ceilings import measure_bandwidth
+    return measure_bandwidth(torch.device("cuda"))[0] / 1e9
+
+
+def try_time(name: str, timer: Callable[[], Timing]) -> Timing | None:
+    """Run a timing; a peer that fails (a missing backend) reports n/a instead of ending the run."""
+    try:
+        return timer()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).splitlines()[0][:120] if str(e) else ""
+        print(f"  {name}: n/a ({type(e).__name__}: {msg})", flush=True)
+        return None
