@@ -105,3 +105,20 @@ def test_seed_and_top_k_beyond_int64_are_rejected_and_engine_stays_clean(tiny_ll
             tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished()
     assert tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+# -- SamplingParams: types and finiteness --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(stop=5), "stop"), (dict(stop=[5]), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(top_p=float("nan")), "top_p"),
+    (dict(top_p=-0.5), "top_p"), (dict(presence_penalty=float("-inf")), "presence_penalty"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+    (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(min_tokens=False), "min_tokens"),
+    (dict(top_k=True), "top_k"), (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"),
+    (dict(temperature=True), "temperature"), (dict(max_tokens=2.0), "max_tokens"), (dict(top_k=10**400), "top_k"),
+])
+def test_sampling_params_reject_with_value_error(kwargs, param):
+    with pytest.raises(ValueError, match=rf"^{param}:"):
+        SamplingParams(**kwargs)
