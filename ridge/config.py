@@ -209,6 +209,9 @@ class EngineConfig:
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):
+        kv = self.kv_cache_memory
+        if isinstance(kv, float) and 0 < kv <= 1:
+            raise ValueError(f"kv_cache_memory: is bytes, got {kv}; a fraction of memory is gpu_memory_utilization")
         settings.validate(self)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization: give it or kv_cache_memory, not both "

@@ -29,7 +29,7 @@ BAD = [
     ("max_model_len", 0), ("max_model_len", 1), ("max_model_len", True), ("max_model_len", 2.5),
     ("max_num_seqs", 0), ("max_num_seqs", True), ("max_num_seqs", "8"),
     ("max_num_batched_tokens", 0), ("max_num_batched_tokens", None),
-    ("kv_cache_memory", 0), ("kv_cache_memory", 1.5), ("kv_cache_memory", True),
+    ("kv_cache_memory", 0), ("kv_cache_memory", 0.5), ("kv_cache_memory", 1.5), ("kv_cache_memory", True),
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", math.inf),
     ("gpu_memory_utilization", math.nan), ("gpu_memory_utilization", True),
     ("page_size", 0), ("page_size", False),
