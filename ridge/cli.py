@@ -1,38 +1,15 @@
-"""`ridge` command line: generate, eval-ppl."""
+"""`ridge` command line: generate, eval-ppl, and the parsers of serve, bench and roofline.
+
+Every command that builds an engine takes its flags from `ridge.config.EngineConfig` through
+`ridge.settings.add_arguments`, and turns them back into a validated config with
+`settings.from_args`, so a setting is declared once and every command has it."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV pool size: bytes if > 1, else a fraction of free memory")
-    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16,
-                   help="tokens per KV-cache page (--block-size: vLLM's name)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each decode step's tokens back before preparing the next step "
-                        "(default: prepare and launch it while the GPU still runs the previous one)")
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    kv = a.kv_cache_memory
-    if kv is not None and kv > 1:
-        kv = int(kv)
-    return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                kv_cache_memory=kv, page_size=a.page_size, enable_prefix_caching=not a.no_prefix_caching,
-                seed=a.seed, enforce_eager=a.enforce_eager, async_scheduling=not a.no_async_scheduling)
+from ridge import settings
+from ridge.config import EngineConfig
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -42,7 +19,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                             max_tokens=a.max_tokens, seed=a.sample_seed, stop=a.stop or None,
                             repetition_penalty=a.repetition_penalty)
-    llm = LLM(show_progress=False, **engine_kwargs(a))
+    llm = LLM(show_progress=False, **settings.from_args(EngineConfig, a).as_kwargs())
     engine = llm.engine
     engine.add_request(a.prompt, params)
     # Hold back as many characters as a stop string could still need, so none leaks out.
@@ -63,7 +40,7 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     from ridge import LLM
     from ridge.eval_ppl import heldout_files, perplexity
 
-    llm = LLM(show_progress=False, **engine_kwargs(a))
+    llm = LLM(show_progress=False, **settings.from_args(EngineConfig, a).as_kwargs())
     files = a.files or heldout_files(llm.engine.cfg.model)
     r = perplexity(llm, files, seq_len=a.seq_len)
     summary = dict(model=llm.engine.cfg.model, dtype=str(llm.engine.cfg.dtype).removeprefix("torch."),
@@ -81,24 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
-    add_engine_args(g)
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    s.add_argument("--top-k", type=int, default=-1, help="-1: off (default: -1)")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top one's probability (default: 0.0)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (default: 1.0)")
+    s.add_argument("--sample-seed", type=int, default=None,
+                   help="seed of this request's sampling (default: drawn from --seed)")
+    s.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
+    s.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    settings.add_arguments(g, EngineConfig, title="engine")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval-ppl", help="perplexity on text files (default: the model's held-out stdlib files)")
-    add_engine_args(e)
-    e.add_argument("--files", nargs="+", default=None)
-    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--files", nargs="+", default=None, help="text files (default: the model's held-out files)")
+    e.add_argument("--seq-len", type=int, default=512, help="tokens per scored window (default: 512)")
     e.add_argument("--json", default=None, help="write the result as JSON here")
+    settings.add_arguments(e, EngineConfig, title="engine")
     e.set_defaults(func=cmd_eval_ppl)
 
     from ridge.roofline.cli import add_roofline_parser

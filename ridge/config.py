@@ -2,7 +2,7 @@
 
 `ModelConfig` is read from a HuggingFace `config.json` and normalises the spellings that
 transformers 4.x and 5.x write (`rope_scaling`/`rope_theta` vs `rope_parameters`,
-`torch_dtype` vs `dtype`). `EngineConfig` holds the knobs of `LLM(...)`.
+`torch_dtype` vs `dtype`). `EngineConfig` is the one list of engine settings.
 """
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from ridge import settings
+from ridge.settings import setting
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -139,20 +142,87 @@ def _read_generation_config(path: str) -> dict | None:
     return None
 
 
+def _device_check(value) -> str | None:
+    if isinstance(value, torch.device):
+        return None if value.type in ("cpu", "cuda") else f"must be auto, cpu or cuda, got {value}"
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return None
+    return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
+
+
+def _bytes(text: str) -> int:
+    """Command-line bytes: an integer, also written as a float (4e6) or with a K/M/G/T(iB) suffix."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1
+    for i, unit in enumerate("KMGT"):
+        if t.endswith(unit):
+            t, scale = t[:-1], 1024 ** (i + 1)
+    value = float(t) * scale
+    if not value.is_integer():
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    page_size: int
-    num_pages: int
-    enable_prefix_caching: bool
-    seed: int
-    max_n: int
-    enforce_eager: bool = False      # no CUDA graphs for decode (they are CUDA-only anyway)
-    async_scheduling: bool = True    # overlap a decode step's host work with the previous step's GPU work
-    attention_backend: str = "auto"
-    load_format: str = "auto"
+    """The engine's settings, the one list of them: `LLM(**settings)` takes exactly these fields
+    and every command's engine flags are generated from them (ridge.settings). Adding a setting is
+    adding a field here; the runner or engine reads it from the config it is given.
+
+    `LLM` validates an instance, then resolves it against the model and the machine (`model` to a
+    directory, `device` and `dtype` to torch objects, `max_model_len` to a number) and sizes the
+    KV pool (`num_pages`, which is not a setting)."""
+
+    model: str | None = setting(None, help="HF checkpoint directory", default_text="the bundled demo model")
+    device: str | torch.device = setting("auto", help="auto, cpu, cuda or cuda:N", check=_device_check,
+                                         default_text="auto: cuda if available, else cpu")
+    dtype: str | torch.dtype = setting(
+        "auto", choices=("auto", "float32", "bfloat16", "float16"), help="weight and activation dtype",
+        default_text="auto: float32 on a CPU; on a GPU the checkpoint's dtype, bfloat16 for a float32 checkpoint")
+    max_model_len: int | None = setting(None, minimum=2, help="longest sequence, prompt and output together",
+                                        default_text="the model's max_position_embeddings")
+    max_num_seqs: int = setting(128, minimum=1, help="sequences decoded together (seats in a batch)")
+    max_num_batched_tokens: int = setting(4096, minimum=1, help="tokens one step may process (the prefill budget)")
+    kv_cache_memory: int | None = setting(
+        None, minimum=1, parse=_bytes,
+        help="KV-cache pool size in bytes (4e9, 4GiB); excludes --gpu-memory-utilization",
+        default_text="85% of free GPU memory after loading; on a CPU 1 GiB or a quarter of free memory")
+    gpu_memory_utilization: float | None = setting(
+        None, above=0, maximum=1, help="fraction of the device's memory (GPU memory; system memory on a CPU) that "
+        "weights, activations and KV cache may fill together; the KV pool gets what the loaded model leaves; "
+        "excludes --kv-cache-memory", default_text="unset")
+    page_size: int = setting(16, minimum=1, aliases=("--block-size",),
+                             help="tokens per KV-cache page (--block-size: vLLM's name)")
+    enable_prefix_caching: bool = setting(True, aliases=("--no-prefix-caching",),
+                                          help="share the KV pages of equal prompt prefixes between requests")
+    seed: int = setting(0, minimum=0, maximum=2**63 - 1, help="seed of unseeded sampling (and of dummy weights)")
+    max_n: int = setting(64, minimum=1, help="most samples per prompt (a request's n)")
+    enforce_eager: bool = setting(False, help="run decode steps eagerly instead of replaying CUDA graphs")
+    async_scheduling: bool = setting(
+        True, help="prepare and launch each decode step while the GPU still runs the previous one")
+    attention_backend: str = setting("auto", choices=("auto", "torch", "triton"),
+                                     help="attention kernels: triton on a GPU, torch (the reference) anywhere",
+                                     default_text="auto: triton on a GPU when the head size allows, else torch")
+    load_format: str = setting("auto", choices=("auto", "dummy"),
+                               help="auto: read the checkpoint's safetensors; dummy: random weights from --seed, "
+                                    "nothing read (for benchmarks)")
+    num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
+
+    def __post_init__(self):
+        kv = self.kv_cache_memory
+        if isinstance(kv, float) and 0 < kv <= 1:
+            raise ValueError(f"kv_cache_memory: is bytes, got {kv}; a fraction of memory is gpu_memory_utilization")
+        settings.validate(self)
+        if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization: give it or kv_cache_memory, not both "
+                             f"(got {self.gpu_memory_utilization} and {self.kv_cache_memory} bytes)")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """A validated config from keyword arguments; a name that is not a setting is a ValueError."""
+        settings.check_names(cls, kwargs, "engine setting")
+        return cls(**kwargs)
+
+    def as_kwargs(self) -> dict:
+        """The settings as keyword arguments (for `LLM(**cfg.as_kwargs())`)."""
+        return {name: getattr(self, name) for name in settings.names(self)}

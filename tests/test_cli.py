@@ -27,3 +27,35 @@ def test_installed_entry_point_runs_the_bundled_demo():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 0
+
+
+def test_bad_engine_flag_is_reported_before_loading(capsys, monkeypatch):
+    """Every command checks its engine flags before any weights are read: `ridge: error: <setting>: ...`."""
+    import ridge.engine.llm as llm_module
+    from ridge.cli import main
+    monkeypatch.setattr(llm_module, "ModelRunner", None)          # loading would fail differently
+    for argv, name in ((["generate", "--max-num-seqs", "0", "x"], "max_num_seqs"),
+                       (["generate", "--gpu-memory-utilization", "2", "x"], "gpu_memory_utilization"),
+                       (["generate", "--kv-cache-memory", "1GiB", "--gpu-memory-utilization", "0.5", "x"],
+                        "gpu_memory_utilization"),
+                       (["eval-ppl", "--max-model-len", "1"], "max_model_len"),
+                       (["bench", "latency", "--page-size", "0"], "page_size"),
+                       (["bench", "throughput", "--max-n", "0"], "max_n"),
+                       (["roofline", "--seed", "-1"], "seed"),
+                       (["serve", "--max-model-len", "0"], "max_model_len"),
+                       (["serve", "--port", "70000"], "port"),
+                       (["serve", "--served-model-name", ""], "model_name")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"ridge: error: {name}:"), (argv, err)
+
+
+def test_commands_take_settings_from_config_not_from_cli():
+    """No import loop: the commands' parsers come from ridge.config / ridge.settings, never ridge.cli."""
+    import ast
+    import importlib
+    for name in ("ridge.bench.latency", "ridge.bench.throughput", "ridge.bench.serve", "ridge.roofline.cli",
+                 "ridge.server.cli"):
+        tree = ast.parse(open(importlib.import_module(name).__file__).read())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "ridge.cli" not in modules, name

@@ -105,3 +105,83 @@ def test_seed_and_top_k_beyond_int64_are_rejected_and_engine_stays_clean(tiny_ll
             tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished()
     assert tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+# -- SamplingParams: types and finiteness --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(stop=5), "stop"), (dict(stop=[5]), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(top_p=float("nan")), "top_p"),
+    (dict(top_p=-0.5), "top_p"), (dict(presence_penalty=float("-inf")), "presence_penalty"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+    (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(min_tokens=False), "min_tokens"),
+    (dict(top_k=True), "top_k"), (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"),
+    (dict(temperature=True), "temperature"), (dict(max_tokens=2.0), "max_tokens"), (dict(top_k=10**400), "top_k"),
+])
+def test_sampling_params_reject_with_value_error(kwargs, param):
+    with pytest.raises(ValueError, match=rf"^{param}:"):
+        SamplingParams(**kwargs)
+
+
+# -- LLM.generate / LLM.chat: malformed calls leave the engine's requests as they were -----------------
+def _in_flight(llm):
+    """A request queued straight on the engine, which a rejected call must leave alone."""
+    rid = llm.engine.add_request(prompt_of(8, salt=3), GOOD)
+    return rid
+
+
+def _finish(llm, rid):
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+    raise AssertionError("the in-flight request was lost")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.generate([prompt_of(4)], {"max_tokens": 2}, use_tqdm=False), "^sampling_params: .*dict"),
+    (lambda llm: llm.generate([prompt_of(4)], [{"max_tokens": 2}], use_tqdm=False), "^sampling_params:"),
+    (lambda llm: llm.generate([prompt_of(4)], "greedy", use_tqdm=False), "^sampling_params:"),
+    (lambda llm: llm.generate([prompt_of(4), prompt_of(5)], [GOOD], use_tqdm=False), "^sampling_params: 1 given"),
+    (lambda llm: llm.generate(None, GOOD, use_tqdm=False), "^prompts:"),
+    (lambda llm: llm.generate(5, GOOD, use_tqdm=False), "^prompts:"),
+    (lambda llm: llm.generate([], GOOD, use_tqdm=False), "^prompts:"),
+    (lambda llm: llm.chat({"role": "user", "content": "hi"}, GOOD, use_tqdm=False), "^messages:"),
+    (lambda llm: llm.chat([], GOOD, use_tqdm=False), "^messages:"),
+    (lambda llm: llm.chat([{"content": "hi"}], GOOD, use_tqdm=False), r"^messages\[0\]: missing 'role'"),
+    (lambda llm: llm.chat([{"role": "user"}], GOOD, use_tqdm=False), r"^messages\[0\]: missing 'content'"),
+    (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}], GOOD, use_tqdm=False), r"^messages\[0\]\.role:"),
+    (lambda llm: llm.chat([{"role": "user", "content": 5}], GOOD, use_tqdm=False), r"^messages\[0\]\.content:"),
+    (lambda llm: llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GOOD, use_tqdm=False),
+     r"^messages\[0\]\.content\[0\]:"),
+    (lambda llm: llm.chat(["hello"], GOOD, use_tqdm=False), r"^messages\[0\]:"),
+    (lambda llm: llm.chat([[{"role": "user", "content": "a"}], [{"role": "user"}]], GOOD, use_tqdm=False),
+     r"^messages\[0\]: missing 'content'"),
+])
+def test_malformed_calls_raise_value_error_and_keep_requests_in_flight(tiny_llm, call, message):
+    rid = _in_flight(tiny_llm)
+    with pytest.raises(ValueError, match=message):
+        call(tiny_llm)
+    assert rid in tiny_llm.engine.requests
+    assert len(_finish(tiny_llm, rid).outputs[0].token_ids) == GOOD.max_tokens
+    bm = tiny_llm.engine.pages
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_chat_accepts_openai_text_parts(tiny_llm):
+    plain = tiny_llm.chat([{"role": "user", "content": "hello there"}], GOOD, use_tqdm=False)[0]
+    parts = tiny_llm.chat([{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                                        {"type": "text", "text": "there"}]}], GOOD, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    assert parts.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_engine_settings_rejected_before_loading(checkpoints):
+    from ridge import LLM
+    for kwargs, param in ((dict(max_model_len=0), "max_model_len"), (dict(seed="x"), "seed"),
+                          (dict(enforce_eager="yes"), "enforce_eager"), (dict(max_n=True), "max_n"),
+                          (dict(kv_cache_memory=1 << 20, gpu_memory_utilization=0.5), "gpu_memory_utilization"),
+                          (dict(block_size=16), "block_size")):
+        with pytest.raises(ValueError, match=rf"^{param}:"):
+            LLM(checkpoints("llama"), device="cpu", show_progress=False, **kwargs)

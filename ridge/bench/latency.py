@@ -26,17 +26,17 @@ import argparse
 import statistics
 import time
 
+from ridge import settings
 from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, resolve_max_model_len, summarize, sync,
                                 write_json)
 from ridge.bench.datasets import RandomPrompts, special_token_ids
+from ridge.config import EngineConfig
 
 
 def add_latency_parser(bench_sub) -> argparse.ArgumentParser:
-    from ridge.cli import add_engine_args
-
     p = bench_sub.add_parser("latency", help="time to first token, inter-token latency and MBU of one batch",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    settings.add_arguments(p, EngineConfig, title="engine")
     p.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
@@ -217,12 +217,13 @@ def print_latency(r: dict) -> None:
 
 def cmd_latency(a: argparse.Namespace) -> int:
     from ridge import LLM
-    from ridge.cli import engine_kwargs
+
+    engine = settings.from_args(EngineConfig, a)         # bad engine flags stop here, before anything loads
 
     max_len, _ = resolve_max_model_len(a.model, a.max_model_len)
     check_latency_args(a.batch_size, a.input_len, a.output_len, a.num_iters, a.warmup_iters, max_len, a.max_num_seqs)
     measure_ceilings_first(a.device)
-    llm = LLM(show_progress=not a.no_progress, **engine_kwargs(a))
+    llm = LLM(show_progress=not a.no_progress, **engine.as_kwargs())
     r = run_latency(llm, a.batch_size, a.input_len, a.output_len, a.num_iters, a.warmup_iters, seed=a.seed,
                     temperature=a.temperature, roofline=a.roofline, progress=not a.no_progress)
     r["config"]["roofline"] = a.roofline

@@ -23,20 +23,20 @@ from __future__ import annotations
 import argparse
 import time
 
+from ridge import settings
 from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, resolve_max_model_len, summarize, sync,
                                 write_json)
 from ridge.bench.datasets import (BenchRequest, RandomPrompts, check_range, load_sharegpt, special_token_ids,
                                   synthetic_requests)
+from ridge.config import EngineConfig
 
 WARMUP_MAX_OUTPUT = 16
 
 
 def add_throughput_parser(bench_sub) -> argparse.ArgumentParser:
-    from ridge.cli import add_engine_args
-
     p = bench_sub.add_parser("throughput", help="offline throughput: all requests submitted up front",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    settings.add_arguments(p, EngineConfig, title="engine")
     p.add_argument("--num-prompts", type=int, default=1000, help="requests (default 1000)")
     src_in = p.add_mutually_exclusive_group()
     src_in.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 512)")
@@ -232,7 +232,8 @@ def print_throughput(r: dict) -> None:
 
 def cmd_throughput(a: argparse.Namespace) -> int:
     from ridge import LLM
-    from ridge.cli import engine_kwargs
+
+    engine = settings.from_args(EngineConfig, a)         # bad engine flags stop here, before anything loads
     from ridge.engine.llm import default_model_path, load_tokenizer
 
     max_len, model_cfg = resolve_max_model_len(a.model, a.max_model_len)
@@ -240,7 +241,7 @@ def cmd_throughput(a: argparse.Namespace) -> int:
         length_ranges(a)                       # reject bad ranges before anything loads
     tokenizer = load_tokenizer(a.model if a.model is not None else default_model_path())
     requests, source = build_requests(a, model_cfg, tokenizer, max_len)
-    llm = LLM(show_progress=not a.no_progress, **engine_kwargs(a))
+    llm = LLM(show_progress=not a.no_progress, **engine.as_kwargs())
     r = run_throughput(llm, requests, a.temperature, a.ignore_eos, a.warmup_prompts, a.seed, progress=not a.no_progress)
     r["dataset"] = source
     if a.json:

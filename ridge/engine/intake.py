@@ -81,6 +81,82 @@ class Intake:
         return max_tokens
 
 
+def prompt_list(prompts) -> list:
+    """`LLM.generate`'s prompts as a list: one prompt (a string or token ids) or a list of them.
+    Each prompt itself is checked when its request is made."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a string, a list of token ids or a list of those, "
+                         f"got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts: the list is empty")
+    return list(prompts)
+
+
+def sampling_list(params, count: int) -> list[SamplingParams]:
+    """One SamplingParams for each of `count` prompts, from None, one SamplingParams or a list."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if isinstance(params, dict):
+        raise ValueError("sampling_params: expected SamplingParams, got a dict; write SamplingParams(**your_dict)")
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(params).__name__}")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params: expected SamplingParams in the list, got {type(bad).__name__}")
+    if len(params) != count:
+        raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+    return list(params)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def conversation_list(messages) -> list[list[dict]]:
+    """`LLM.chat`'s argument as a list of conversations: one conversation or a list of them."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
+                         "(or a list of such lists)")
+    if all(isinstance(m, (list, tuple)) for m in messages):
+        return [check_messages(conv) for conv in messages]
+    return [check_messages(messages)]
+
+
+def check_messages(messages) -> list[dict]:
+    """One conversation checked and put in the form chat templates read: each message a dict with a
+    known role and string content; OpenAI text-part content ([{"type": "text", "text": ...}]) is
+    joined into one string, as the server accepts it."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: expected a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"{where}: missing '{key}'")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        out.append({**m, "content": _content_text(m["content"], f"{where}.content")})
+    return out
+
+
+def _content_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"{where}[{j}]: a part must be {{'type': 'text', 'text': <string>}}, got {part!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def sample_seed(base: int, index: int) -> int:
     """Sample j of a request draws from its own stream; sample 0 uses the request's seed itself."""
     return base if index == 0 else random.Random(base * 1_000_003 + index).getrandbits(63)

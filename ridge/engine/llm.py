@@ -1,6 +1,8 @@
 """`LLM`: the offline Python API (the shape vLLM users know)."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 
 import torch
@@ -8,9 +10,11 @@ from tqdm.auto import tqdm
 
 from ridge.config import EngineConfig, ModelConfig, parse_dtype
 from ridge.engine.engine import Engine
+from ridge.engine.intake import check_messages, conversation_list, prompt_list, sampling_list
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.runner.model_runner import ModelRunner
+from ridge.settings import fields as setting_fields
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -53,66 +57,76 @@ def _resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> 
     return torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype
 
 
-def _kv_budget(kv_cache_memory, device: torch.device) -> int:
+def _kv_budget(cfg: EngineConfig) -> int:
+    """Bytes for the KV pool, measured after the model is loaded."""
+    device = cfg.device
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if kv_cache_memory is None:
-        return int(0.85 * free) if device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
-    if isinstance(kv_cache_memory, float):
-        if not 0 < kv_cache_memory <= 1:
-            raise ValueError(f"kv_cache_memory: a fraction must be in (0, 1], got {kv_cache_memory}")
-        return int(kv_cache_memory * free)
-    if isinstance(kv_cache_memory, int) and kv_cache_memory > 0:
-        return kv_cache_memory
-    raise ValueError(f"kv_cache_memory: expected bytes (int > 0) or a fraction (float), got {kv_cache_memory!r}")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if cfg.kv_cache_memory is not None:
+        return cfg.kv_cache_memory
+    if cfg.gpu_memory_utilization is not None:
+        # what the fraction of the whole device leaves once everything now in use is counted
+        return int(cfg.gpu_memory_utilization * total) - (total - free)
+    return int(0.85 * free) if device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
+
+
+def _check_backend(name: str, device: torch.device) -> None:
+    """The Triton kernels run on a CUDA device (on a CPU only under Triton's interpreter, for tests);
+    say so now rather than fail inside the first launch."""
+    if name != "triton" or device.type == "cuda":
+        return
+    try:
+        import triton
+        interpreted = bool(triton.knobs.runtime.interpret)
+    except (ImportError, AttributeError):
+        interpreted = False
+    if not interpreted:
+        raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {device} "
+                         f"(use attention_backend='torch' or 'auto')")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 4096, kv_cache_memory: int | float | None = None,
-                 page_size: int = 16, enable_prefix_caching: bool = True, seed: int = 0,
-                 max_n: int = 64, attention_backend: str = "auto", show_progress: bool = True,
-                 enforce_eager: bool = False, async_scheduling: bool = True):
-        path = model if model is not None else default_model_path()
+    """The offline engine. `LLM(model, **settings)` takes exactly the fields of
+    `ridge.config.EngineConfig` (see `ridge.settings.describe(EngineConfig)`); every value is
+    checked before anything is loaded and a bad one raises ValueError naming it."""
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = True, **settings):
+        cfg = EngineConfig.from_kwargs(model=model, **settings)
+        path = cfg.model if cfg.model is not None else default_model_path()
         if not os.path.isdir(path):
             raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("page_size", page_size), ("max_n", max_n)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(show_progress, bool):
+            raise ValueError(f"show_progress: must be true or false, got {show_progress!r}")
         model_cfg = ModelConfig.from_dir(path)
-        dev = _resolve_device(device)
-        max_len = max_model_len or model_cfg.max_position_embeddings
-        if not isinstance(max_len, int) or not 1 < max_len <= model_cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len: must be in [2, {model_cfg.max_position_embeddings}] "
-                             f"(the model's max_position_embeddings), got {max_model_len!r}")
-        cfg = EngineConfig(model=path, dtype=_resolve_dtype(dtype, model_cfg, dev), device=dev,
-                           max_model_len=max_len, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
-                           num_pages=0, enable_prefix_caching=enable_prefix_caching, seed=seed, max_n=max_n,
-                           enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-                           attention_backend=attention_backend)
+        dev = _resolve_device(cfg.device)
+        limit = model_cfg.max_position_embeddings
+        max_len = cfg.max_model_len or limit
+        if not 1 < max_len <= limit:
+            raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
+                             f"got {cfg.max_model_len!r}")
+        _check_backend(cfg.attention_backend, dev)
+        cfg = dataclasses.replace(cfg, model=path, device=dev, dtype=_resolve_dtype(cfg.dtype, model_cfg, dev),
+                                  max_model_len=max_len)
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
-        cfg.num_pages = _kv_budget(kv_cache_memory, dev) // runner.kv_bytes_per_page()
+        cfg.num_pages = max(_kv_budget(cfg), 0) // runner.kv_bytes_per_page()
         if cfg.num_pages < 1:
-            raise ValueError("kv_cache_memory: too small to hold a single KV page")
+            name = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
+            raise ValueError(f"{name}: too small to hold a single KV page")
         runner.allocate_kv_cache(cfg.num_pages)
         runner.warm_up_prefill()
-        runner.setup_decode(use_graphs=not enforce_eager)
+        runner.setup_decode(use_graphs=not cfg.enforce_eager)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(path))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        """Complete each prompt (a string or a list of token ids, or a list of those); all the
+        call's requests are accepted or none is, and requests already in the engine are untouched."""
+        prompts = prompt_list(prompts)
+        sampling_params = sampling_list(sampling_params, len(prompts))
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
@@ -125,14 +139,21 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this checkpoint has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = conversation_list(messages)
+        sampling_list(sampling_params, len(conversations))
         prompts = [self.chat_prompt_ids(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages = check_messages(messages)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:          # noqa: BLE001 - the template's own checks (jinja raise_exception)
+            raise ValueError(f"messages: the chat template rejected the conversation ({type(e).__name__}: {e})") \
+                from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -145,3 +166,16 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in ids]
+
+
+def _signature() -> inspect.Signature:
+    """`LLM(model=None, *, <every EngineConfig setting>, show_progress=True)`, for help() and editors."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("model", P.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f, _, _ in setting_fields(EngineConfig) if f.name != "model"]
+    params.append(P("show_progress", P.KEYWORD_ONLY, default=True, annotation="bool"))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()

@@ -5,17 +5,19 @@ import argparse
 import shlex
 import sys
 
+from ridge import settings
+from ridge.config import EngineConfig
+
+# seats and token budget default to what the steps need (decode graphs are captured per seat count)
+ROOFLINE_DEFAULTS = {"max_num_seqs": (None, "what the steps need"),
+                     "max_num_batched_tokens": (None, "what the steps need")}
+
 
 def add_roofline_parser(sub) -> argparse.ArgumentParser:
-    from ridge.cli import add_engine_args
-
     r = sub.add_parser("roofline", help="measured ceilings, per-op roofline diagnosis, MFU/MBU, predictions, plots",
                        description="Measure this device's ceilings (cached per device), time the ops of a real "
                                    "prefill step and decode steps, and say what bounds each op and what to do.")
-    add_engine_args(r)
-    # seats and token budget default to what the steps need (decode graphs are captured per seat count)
-    r.set_defaults(max_num_seqs=None, max_num_batched_tokens=None)
-    r.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    settings.add_arguments(r, EngineConfig, title="engine", defaults=ROOFLINE_DEFAULTS)
     r.add_argument("--batch", type=int, nargs="+", default=[1], help="decode batch sizes (one step each)")
     r.add_argument("--context", type=int, default=None,
                    help="tokens of context per decode sequence, the new one included (default: 1024, or less "
@@ -55,7 +57,6 @@ def _command_line() -> str | None:
 def cmd_roofline(a: argparse.Namespace) -> int:
     import torch
 
-    from ridge.cli import engine_kwargs
     from ridge.roofline.ceilings import cache_path, load_ceilings
     from ridge.roofline.predict import DEFAULT_BATCHES, DEFAULT_PRECISIONS
     from ridge.roofline.report import ceilings_line, datasheet_line, format_terminal
@@ -76,8 +77,9 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         if ds:
             print(ds)
         return 0
-    kw = engine_kwargs(a)
-    kw["attention_backend"] = a.attention_backend
+    kw = settings.values(EngineConfig, a)
+    # validated here, before anything loads; the two left to the steps are filled by run_roofline
+    EngineConfig.from_kwargs(**{k: v for k, v in kw.items() if v is not None or k not in ROOFLINE_DEFAULTS})
     model, device, dtype = kw.pop("model"), kw.pop("device"), kw.pop("dtype")
     rep = run_roofline(model, device=device, dtype=dtype, batches=[] if a.no_decode else a.batch,
                        context=a.context, prefill_len=a.prefill_len, prefill_batch=a.prefill_batch, reps=a.reps,

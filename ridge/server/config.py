@@ -1,4 +1,6 @@
-"""The server's own settings: its name for the model, the API key, and the caps on a request.
+"""The server's own settings: where it listens, its name for the model, the API key, and the
+caps on a request. The engine's settings are `ridge.config.EngineConfig`; `ridge serve` takes
+both, its flags generated from the two dataclasses (ridge.settings).
 
 Limits the engine enforces itself (the context length, n against max_n, the value ranges of
 SamplingParams) are not repeated here; these caps are what only a server needs, because an
@@ -8,27 +10,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridge import settings
 from ridge.engine.sampling_params import MAX_LOGPROBS
+from ridge.settings import setting
+
+
+def _non_empty(value) -> str | None:
+    return "must not be empty" if value == "" else None
 
 
 @dataclass
 class ServerConfig:
-    model_name: str
-    api_key: str | None = None
-    max_logprobs: int = MAX_LOGPROBS     # logprobs / top_logprobs
-    max_stop: int = 16                   # stop strings per request
-    max_stop_chars: int = 256            # characters per stop string (a stream holds back this many)
-    max_prompts: int = 16                # prompts in one /v1/completions request
-    max_body_bytes: int = 4 << 20        # request body; a larger one gets 413 before it is read
+    model_name: str = setting(None, flag="--served-model-name", check=_non_empty,
+                              help="the model's name in the API", default_text="its directory name")
+    host: str = setting("127.0.0.1", help="address to listen on")
+    port: int = setting(8000, minimum=0, maximum=65535, help="port to listen on (0: any free port)")
+    api_key: str | None = setting(None, check=_non_empty, help="require 'Authorization: Bearer KEY' on /v1/*",
+                                  default_text="$RIDGE_API_KEY if set, else none")
+    max_logprobs: int = setting(MAX_LOGPROBS, minimum=0, maximum=MAX_LOGPROBS,
+                                help=f"cap on logprobs / top_logprobs (at most {MAX_LOGPROBS})")
+    max_stop: int = setting(16, minimum=1, help="cap on the number of stop strings")
+    max_stop_chars: int = setting(256, minimum=1,
+                                  help="cap on the length of one stop string (a stream holds back this many)")
+    max_prompts: int = setting(16, minimum=1, help="cap on prompts in one /v1/completions request")
+    max_body_bytes: int = setting(4 << 20, minimum=1, help="request body limit (413 before it is read)")
+    log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 
     def __post_init__(self):
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise ValueError("served_model_name: must be a non-empty string")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key: must not be empty")
-        for name in ("max_stop", "max_stop_chars", "max_prompts", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
+        settings.validate(self)
