@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.layers.activation import silu_and_mul
+from ridge.layers.cost import OpCost, Precision, StepShape, gemm_cost, precision_of
 from ridge.layers.norm import PendingNorm
 
 try:
@@ -78,3 +79,13 @@ class Linear(nn.Module):
         if gemv:
             return gemv_triton(x, self.weight, self.bias, act=act)
         return F.linear(x, self.weight, self.bias)
+
+    def weight_precision(self, step: StepShape) -> Precision:
+        """How the weight is stored: as its dtype, or the step's what-if format (a quantised Linear
+        states its own)."""
+        return step.weights or precision_of(self.weight.dtype)
+
+    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None) -> list[OpCost]:
+        """One GEMM over `rows` (default: every token of the step); `out_bytes` an output element."""
+        return [gemm_cost("linear", step.num_tokens if rows is None else rows, self.weight, self.bias,
+                          self.weight_precision(step), step, out_bytes)]
