@@ -79,9 +79,13 @@ def step_costs(model, step: StepShape) -> list[OpCost]:
     return merge(op_costs(model, step))
 
 
-def parameter_bytes(model, step: StepShape) -> float:
+ONE_TOKEN = StepShape((1,), (1,))
+
+
+def parameter_bytes(model, step: StepShape = ONE_TOKEN) -> float:
     """Bytes the parameters occupy (the whole embedding table included): what a one-token decode
-    reads, each parameter once, plus the embedding rows it does not look up."""
+    reads, each parameter once, plus the embedding rows it does not look up. `step` gives the
+    dtype of a ModelConfig's meta model and any what-if weight format."""
     m = model_of(model, step.dtype)
     costs = m.cost(replace(step, query_lens=(1,), context_lens=(1,), num_sampled=1))
     tables = 0 if m.cfg.tie_word_embeddings else sum(
@@ -89,7 +93,7 @@ def parameter_bytes(model, step: StepShape) -> float:
     return sum(c.param_bytes for c in costs if c.kind != "embedding") + tables
 
 
-def kv_bytes_per_token(model, step: StepShape) -> float:
+def kv_bytes_per_token(model, step: StepShape = ONE_TOKEN) -> float:
     """A one-token step at context 1 writes one token's K/V and reads it back."""
     costs = op_costs(model, replace(step, query_lens=(1,), context_lens=(1,), num_sampled=1))
     return sum(c.kv_bytes for c in costs) / 2
@@ -103,7 +107,14 @@ def utilization(costs: list[OpCost], seconds: float, ceilings, compute: str) -> 
         raise ValueError(f"seconds: must be > 0, got {seconds}")
     flops = sum(c.flops for c in costs)
     nbytes = sum(c.bytes for c in costs)
-    return flops / seconds / ceilings.peak(compute), nbytes / seconds / ceilings.bandwidth
+    mfu = flops / seconds / ceilings.peak(compute)
+    mbu = nbytes / seconds / ceilings.bandwidth
+    return mfu, mbu
+
+
+def matrix_compute(step: StepShape) -> str:
+    """The matrix ceiling a step's projections run against: the one its MFU is held to."""
+    return (step.weights or step.act).compute
 
 
 def step_shape(sched, dtype: torch.dtype, greedy: bool = True) -> StepShape:
