@@ -144,6 +144,43 @@ def test_instrumentation_leaves_the_model_as_it_was(tiny_llm, roofline_env):
     assert [m.backend for m in runner.model.modules() if hasattr(m, "backend")] == backends
 
 
+def test_a_new_layer_type_is_timed_by_its_own_cost_name(tiny_llm, roofline_env):
+    """A module type the roofline has never heard of, stating its own cost(), gets its own timed
+    row (hooks found through cost(), named by it) without any roofline edit."""
+    from torch import nn
+
+    from ridge.layers.cost import merge
+    from ridge.roofline.measure import build_decode, release, time_engine_step
+
+    class ToyBlock(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+        def cost(self, step):
+            return [OpCost("toy_block", "gemm", sum(c.flops for c in merge(self.inner.cost(step))),
+                           sum(c.bytes for c in self.inner.cost(step)))]
+
+    engine = tiny_llm.engine
+    layer = engine.runner.model.model.layers[1]
+    mlp = layer.mlp
+    layer.mlp = ToyBlock(mlp)
+    built = build_decode(engine, 1, 12)
+    try:
+        timing = time_engine_step(engine, built, reps=1, warmup=0)
+        costs = step_costs(engine.runner.model, built.shape)
+    finally:
+        release(engine, built)
+        layer.mlp = mlp
+    assert timing.op_s["toy_block"] > 0 and timing.calls["toy_block"] == 1
+    assert timing.calls["down_proj"] == 1                     # layer 0's MLP only
+    s = diagnose_step("decode", built.shape, costs, timing, load_ceilings("cpu"), 1, 12, 1)
+    assert {r.op: r for r in s.rows}["toy_block"].time_s == timing.op_s["toy_block"]
+
+
 def test_ceilings_cache(roofline_env, monkeypatch, tmp_path):
     import ridge.roofline.ceilings as ce
 

@@ -15,8 +15,8 @@ import importlib
 _EXPORTS = {
     "run_roofline": "api", "build_llm": "api",
     "Ceilings": "ceilings", "load_ceilings": "ceilings", "measure_ceilings": "ceilings",
-    "OpCost": "costs", "StepShape": "costs", "PRECISIONS": "costs", "Format": "costs", "format_of": "costs", "matrix_compute": "costs", "op_costs": "costs",
-    "parameter_bytes": "costs", "step_costs": "costs", "step_shape": "costs", "utilization": "costs",
+    "OpCost": "costs", "StepShape": "costs", "PRECISIONS": "costs", "Format": "costs", "format_of": "costs",
+    "matrix_compute": "costs", "op_costs": "costs", "parameter_bytes": "costs", "step_costs": "costs", "step_shape": "costs", "utilization": "costs",
     "OpRow": "diagnose", "StepReport": "diagnose", "classify": "diagnose", "diagnose_step": "diagnose",
     "StepTiming": "timeline", "Timeline": "timeline", "time_step": "timeline",
     "PredictionRow": "predict", "predict": "predict", "predicted_step_s": "predict",
