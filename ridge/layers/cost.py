@@ -81,7 +81,7 @@ class StepShape:
     kv_elt = property(lambda self: self.act.bytes if self.kv_bytes is None else self.kv_bytes)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OpCost:
     name: str
     kind: str                 # "gemm", "attention", "elementwise", "embedding" or "sampling"
@@ -100,8 +100,12 @@ class OpCost:
 
 
 def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCost]:
-    """A child module's costs as its parent states them: module paths under `path`, optionally renamed."""
-    return [replace(c, module=".".join(p for p in (path, c.module) if p), name=name or c.name) for c in costs]
+    """A child module's costs as its parent states them (the list is the child's fresh one, so it
+    is relabelled in place): module paths under `path`, optionally renamed."""
+    for c in costs:
+        c.module = f"{path}.{c.module}" if path and c.module else path or c.module
+        c.name = name or c.name
+    return costs
 
 
 def merge(costs: list[OpCost]) -> list[OpCost]:
@@ -109,9 +113,11 @@ def merge(costs: list[OpCost]) -> list[OpCost]:
     out: dict[str, OpCost] = {}
     for c in costs:
         o = out.get(c.name)
-        out[c.name] = c if o is None else replace(
-            o, flops=o.flops + c.flops, bytes=o.bytes + c.bytes, param_bytes=o.param_bytes + c.param_bytes,
-            kv_bytes=o.kv_bytes + c.kv_bytes, calls=o.calls + c.calls)
+        if o is None:
+            out[c.name] = replace(c)
+        else:
+            o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
+            o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
     return list(out.values())
 
 
