@@ -62,6 +62,22 @@ def test_latency_json_and_table(tiny, tmp_path, capsys):
     assert r["preemptions"] == 0
     assert r["env"]["device_type"] == "cpu" and r["env"]["dtype"] == "float32"
     assert "TTFT (ms), median" in out and "MBU (decode)" in out and "MFU (decode)" in out
+    # the torch backend (the CPU default) has no static decode path, so no step can overlap
+    assert r["overlap_fraction"] == 0.0 and r["static_decode_steps"] == r["overlapped_decode_steps"] == 0
+    assert "overlapped decode steps" in out
+
+
+def test_latency_reports_overlapped_decode_steps(tiny):
+    """Batch-1 greedy decode with the default settings on the static decode path (the Triton
+    backend, interpreted on a CPU): the decode steps after the first are launched before the
+    previous step's ids are read back."""
+    from ridge import LLM
+    from ridge.bench.latency import run_latency
+
+    llm = LLM(tiny, device="cpu", show_progress=False, kv_cache_memory=4_000_000, attention_backend="triton")
+    r = run_latency(llm, 1, 8, 4, num_iters=1, warmup_iters=1, progress=False)
+    assert 0 < r["overlap_fraction"] <= 1 and r["static_decode_steps"] >= 3
+    assert r["overlap_fraction"] == r["overlapped_decode_steps"] / r["static_decode_steps"]
 
 
 def test_latency_restores_runner_and_draws_fresh_prompts(tiny):
@@ -74,6 +90,7 @@ def test_latency_restores_runner_and_draws_fresh_prompts(tiny):
     llm.engine.add_request = lambda prompt, params=None, request_id=None: seen.append(prompt) or add(prompt, params)
     r = run_latency(llm, 2, 8, 2, num_iters=2, warmup_iters=1, progress=False)
     assert "execute" not in vars(llm.engine.runner) and "sample" not in vars(llm.engine.runner)
+    assert llm.engine.runner.step_observers == []
     assert r["output_tokens_per_iter"] == [4, 4] and r["mbu"] is not None and r["mfu"] is None
     assert len(seen) == 6 and len({tuple(p) for p in seen}) == 6        # fresh ids every request
     assert all(len(p) == 8 and min(p) > 2 for p in seen)               # 0-2 are BOS/EOS/PAD here
@@ -83,12 +100,14 @@ def test_latency_restores_runner_and_draws_fresh_prompts(tiny):
 # -- throughput ------------------------------------------------------------------------------------------
 def test_runner_timer_on_cuda_pairs_events_per_step_and_never_synchronises(monkeypatch):
     """The CUDA side of RunnerTimer with a fake clock on the stream: one (start, end) event pair
-    per step, a step that samples nothing joined to the next, no synchronise until device_s."""
+    per step, a step that samples nothing joined to the next, no synchronise until device_s. The
+    timer is one of the runner's step observers, the runner itself left as it is."""
     import types
 
     import torch
 
     from ridge.bench import common
+    from ridge.runner.model_runner import ModelRunner
 
     clock = {"t": 0.0, "syncs": 0}
 
@@ -106,23 +125,29 @@ def test_runner_timer_on_cuda_pairs_events_per_step_and_never_synchronises(monke
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(common, "sync", lambda device: clock.__setitem__("syncs", clock["syncs"] + 1))
 
-    def execute(sched):
-        clock["t"] += 0.002          # the step's forward on the stream
-        return "logits"
+    class FakeRunner:
+        step_observers: list = []
+        _observe = ModelRunner._observe
+        execute, sample = ModelRunner.execute, ModelRunner.sample
 
-    def sample(logits):
-        clock["t"] += 0.001
-        return "ids"
+        def _execute(self, sched, previous=None):
+            clock["t"] += 0.002          # the step's forward on the stream
+            return "logits"
 
-    runner = types.SimpleNamespace(execute=execute, sample=sample)
+        def _sample(self, logits, seqs, eos_ids):
+            clock["t"] += 0.001
+            return "ids"
+
+    runner = FakeRunner()
+    runner.step_observers = []
     engine = types.SimpleNamespace(runner=runner, cfg=types.SimpleNamespace(device=torch.device("cuda")))
     timer = common.RunnerTimer(engine)
     with timer:
-        runner.execute(None), runner.sample("logits")              # step 1: 3 ms
-        clock["t"] += 0.010                                        # idle between steps: not busy
-        runner.execute(None)                                       # a chunk that samples nothing...
-        runner.execute(None), runner.sample("logits")              # ...joins this step: 5 ms
-    assert runner.execute is execute and runner.sample is sample    # restored
+        runner.execute(None), runner.sample("logits", [], [])          # step 1: 3 ms
+        clock["t"] += 0.010                                            # idle between steps: not busy
+        runner.execute(None)                                           # a chunk that samples nothing...
+        runner.execute(None), runner.sample("logits", [], [])          # ...joins this step: 5 ms
+    assert runner.step_observers == []                                 # unregistered
     assert len(timer.events) == 2 and clock["syncs"] == 0
     assert timer.device_s == pytest.approx(0.008) and clock["syncs"] == 1
     assert timer.device_s == pytest.approx(0.008) and clock["syncs"] == 1   # read once
@@ -154,6 +179,7 @@ def test_throughput_synthetic_json(tiny, tmp_path, capsys):
     assert r["inside_runner_calls_fraction"] == pytest.approx(r["device_busy_fraction"])
     assert 0 <= split["between_execute_and_sample"] < split["engine_host"] + 1e-9 + split["device"]
     assert "output tokens/s" in out and "device (execute + sample)" in out
+    assert 0 <= r["overlap_fraction"] <= 1 and "overlapped decode steps" in out
 
 
 def test_throughput_fixed_lengths_and_seed(tiny, tmp_path, capsys):

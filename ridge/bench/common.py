@@ -43,15 +43,14 @@ class StepRecord:
 
 @dataclass
 class RunnerTimer:
-    """Host-clock time around `runner.execute` (batch preparation, forward, logits) and
+    """Host-clock time inside `runner.execute` (batch preparation, forward, logits) and
     `runner.sample`, accumulated over a run; the device's busy time; optionally the shape of
     every step.
 
-    The engine is used as it is: the two bound methods are replaced on the runner *instance* for
-    the duration of the `with` block and restored after it. Nothing here waits for the device:
-    with async scheduling the engine launches step N+1 before it reads step N's ids, and a
-    synchronise in the hooks would serialise the two again (it did until 2026-11-23, so earlier
-    benchmarks measured the engine with that overlap removed).
+    The engine is used as it is: the timer is one of the runner's `step_observers` for the
+    duration of the `with` block, told when each execute and sample starts and ends. Nothing here
+    waits for the device: with async scheduling the engine launches step N+1 before it reads step
+    N's ids, and a synchronise here would serialise the two again.
 
     Device busy time: on CUDA a pair of timing events per step, recorded on the stream before
     `execute` queues the step's work and after `sample` queues the last of it; the start event
@@ -72,52 +71,41 @@ class RunnerTimer:
     events: list[tuple[object, object]] = field(default_factory=list)   # CUDA (start, end) per step
 
     def __enter__(self) -> "RunnerTimer":
-        runner = self.engine.runner
-        cuda = self.engine.cfg.device.type == "cuda"
-        self._saved = {name: runner.__dict__.get(name) for name in ("execute", "sample")}
-        execute, sample = runner.execute, runner.sample
-        self._execute_end = None
-        self._start = None
-        self._device_s = None
-
-        def timed_execute(sched, *args, **kwargs):
-            if self.record_shapes:
-                self.shapes.append(StepRecord.of(sched))     # before the engine advances the sequences
-            if cuda and self._start is None:                 # a step that sampled nothing joins the next
-                self._start = torch.cuda.Event(enable_timing=True)
-                self._start.record()
-            t = time.perf_counter()
-            out = execute(sched, *args, **kwargs)
-            self._execute_end = time.perf_counter()
-            self.execute_s += self._execute_end - t
-            self.execute_calls += 1
-            return out
-
-        def timed_sample(*args, **kwargs):
-            t = time.perf_counter()
-            if self._execute_end is not None:
-                self.between_s += t - self._execute_end
-                self._execute_end = None
-            out = sample(*args, **kwargs)
-            if cuda and self._start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self.events.append((self._start, end))
-                self._start = None
-            self.sample_s += time.perf_counter() - t
-            self.sample_calls += 1
-            return out
-
-        runner.execute, runner.sample = timed_execute, timed_sample
+        self._cuda = self.engine.cfg.device.type == "cuda"
+        self._t = self._execute_end = self._start = self._device_s = None
+        self.engine.runner.step_observers.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        runner = self.engine.runner
-        for name, saved in self._saved.items():
-            if saved is None:
-                runner.__dict__.pop(name, None)
-            else:
-                setattr(runner, name, saved)
+        self.engine.runner.step_observers.remove(self)
+
+    def on_step_start(self, phase: str, arg) -> None:
+        t = time.perf_counter()
+        if phase == "execute":
+            if self.record_shapes:
+                self.shapes.append(StepRecord.of(arg))       # before the engine advances the sequences
+            if self._cuda and self._start is None:           # a step that sampled nothing joins the next
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+        elif self._execute_end is not None:
+            self.between_s += t - self._execute_end
+            self._execute_end = None
+        self._t = time.perf_counter()
+
+    def on_step_end(self, phase: str, arg) -> None:
+        t = time.perf_counter()
+        if phase == "execute":
+            self._execute_end = t
+            self.execute_s += t - self._t
+            self.execute_calls += 1
+            return
+        if self._cuda and self._start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+            self._start = None
+        self.sample_s += time.perf_counter() - self._t
+        self.sample_calls += 1
 
     @property
     def inside_calls_s(self) -> float:
@@ -139,6 +127,15 @@ class RunnerTimer:
         if steps and (self.execute_calls == 0 or self.sample_calls == 0):
             raise RuntimeError("bench: the engine ran steps without calling runner.execute/runner.sample, "
                                "so the device time cannot be measured; update ridge/bench/common.py")
+
+
+def overlap(stats0, stats1) -> dict:
+    """Decode steps between two `Engine.stats()` snapshots and the fraction launched before the
+    previous step's ids were read back (0 where no step took the static decode path that overlaps)."""
+    steps = stats1.num_decode_steps - stats0.num_decode_steps
+    overlapped = stats1.num_overlapped_steps - stats0.num_overlapped_steps
+    return dict(overlap_fraction=overlapped / steps if steps else 0.0, static_decode_steps=steps,
+                overlapped_decode_steps=overlapped)
 
 
 def resolve_max_model_len(model: str | None, max_model_len: int | None):
@@ -186,7 +183,6 @@ def environment(engine) -> dict:
         decode_graph_capture_s=getattr(getattr(runner, "decode_graphs", None), "capture_seconds", None),
         prefill_warm_up_s=getattr(runner, "warm_up_seconds", None),
         async_scheduling=getattr(cfg, "async_scheduling", None),
-        overlapped_decode_steps=getattr(engine, "overlapped_steps", None),
     )
 
 

@@ -16,9 +16,10 @@ sampled ids it commits are on the host, which paces the loop by the device. With
 runs, so the host work of one step overlaps the device work of another, as in real use. (Until
 2026-11-23 the host waited for the device after every step, which removed that overlap.)
 MBU = the bytes the decode steps must move (weights and KV cache read, plus activations and
-logits: ridge.roofline's cost model) / their time / the device's measured copy bandwidth
-(ridge.roofline's ceilings, measured once and cached per device); --roofline adds MFU (FLOPs /
-time / the measured matmul peak of the engine's dtype).
+logits: the model's own cost(), summed by ridge.roofline) / their time / the device's measured
+copy bandwidth (ridge.roofline's ceilings, measured once and cached per device); --roofline adds
+MFU (FLOPs / time / the measured matmul peak of the engine's dtype). The overlap fraction is the
+share of decode steps launched before the previous step's ids were read back.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import statistics
 import time
 
 from ridge import settings
-from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, resolve_max_model_len, summarize, sync,
-                                write_json)
+from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len, summarize,
+                                sync, write_json)
 from ridge.bench.datasets import RandomPrompts, special_token_ids
 from ridge.config import EngineConfig
 
@@ -118,6 +119,8 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
     with RunnerTimer(engine, record_shapes=True) as timer, \
             tqdm(total=warmup_iters + num_iters, desc="latency", unit="iter", disable=not progress) as bar:
         for i in range(warmup_iters + num_iters):
+            if i == warmup_iters:
+                stats0 = engine.stats()
             r = _one_batch(engine, [prompts.draw(input_len) for _ in range(batch)], params, timer)
             timer.shapes.clear()
             if i >= warmup_iters:
@@ -142,6 +145,7 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
         prefill_steps_per_iter=[r["prefill_steps"] for r in iters],
         decode_steps_per_iter=[len(r["itl"]) for r in iters],
         preemptions=engine.stats().num_preemptions - preempt0,
+        **overlap(stats0, engine.stats()),
     )
     result.update(decode_utilization(engine, [s for r in iters for s in r["decode_steps"]], roofline))
     graphs = engine.runner.decode_graphs
@@ -151,33 +155,34 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
 
 
 def decode_utilization(engine, steps, with_flops: bool) -> dict:
-    """MBU (and MFU with `with_flops`) of the decode steps taken together, from ridge.roofline:
-    `step_utilization` gives each step's (MFU, MBU) from the cost model's FLOPs and minimum bytes
-    (weights + KV + activations) over the measured ceilings; weighting each by its time gives
-    the decode steps' total bytes (FLOPs) over their total time."""
-    from ridge.roofline import Precision, StepShape, load_ceilings, step_costs, step_utilization
+    """MBU (and MFU with `with_flops`) of the decode steps taken together: the FLOPs and minimum
+    bytes (weights + KV + activations) the engine's model states for each step (`model.cost`),
+    over their total time and the measured ceilings (ridge.roofline.utilization)."""
+    from ridge.layers.cost import StepShape
+    from ridge.roofline import format_of, load_ceilings, matrix_compute, step_costs, utilization
     from ridge.roofline.ceilings import cache_path
 
     if not steps:
         return dict(mbu=None, mfu=None, roofline=None)
-    precision = Precision.from_dtype(engine.cfg.dtype)
+    dtype, model = engine.cfg.dtype, engine.runner.model
     ceilings = load_ceilings(engine.cfg.device)
-    mfu_t = mbu_t = seconds = weight_bytes = kv_bytes = 0.0
+    costs, seconds = [], 0.0
     for rec, t in steps:
-        shape = StepShape(rec.query_lens, rec.context_lens, precision, num_sampled=rec.num_sampled, greedy=rec.greedy)
-        mfu, mbu = step_utilization(engine.model_cfg, ceilings, shape, t)
-        mfu_t, mbu_t, seconds = mfu_t + mfu * t, mbu_t + mbu * t, seconds + t
-        costs = step_costs(engine.model_cfg, shape)
-        weight_bytes += sum(c.weight_bytes for c in costs)
-        kv_bytes += sum(c.kv_bytes for c in costs)
+        shape = StepShape(rec.query_lens, rec.context_lens, num_sampled=rec.num_sampled, greedy=rec.greedy,
+                          dtype=dtype)
+        costs += step_costs(model, shape)
+        seconds += t
+    compute = matrix_compute(shape)
+    mfu, mbu = utilization(costs, seconds, ceilings, compute)
     n = len(steps)
     return dict(
-        mbu=mbu_t / seconds,
-        mfu=mfu_t / seconds if with_flops else None,
-        roofline=dict(precision=precision.name, bandwidth=ceilings.bandwidth, matmul_roof=ceilings.roof(precision.compute),
-                      matmul_peak=ceilings.peak(precision.compute), ceilings_cache=cache_path(engine.cfg.device),
-                      decode_steps=n, decode_time_s=seconds, weight_bytes_per_step=weight_bytes / n,
-                      kv_bytes_per_step=kv_bytes / n),
+        mbu=mbu,
+        mfu=mfu if with_flops else None,
+        roofline=dict(precision=format_of(dtype).name, bandwidth=ceilings.bandwidth, matmul_roof=ceilings.roof(compute),
+                      matmul_peak=ceilings.peak(compute), ceilings_cache=cache_path(engine.cfg.device),
+                      decode_steps=n, decode_time_s=seconds,
+                      weight_bytes_per_step=sum(c.param_bytes for c in costs) / n,
+                      kv_bytes_per_step=sum(c.kv_bytes for c in costs) / n),
     )
 
 
@@ -204,6 +209,7 @@ def print_latency(r: dict) -> None:
         ["output tokens/s (end to end)", fmt(r["output_tokens_per_s"], ".1f")],
         ["decode tokens/s", fmt(r["decode_tokens_per_s"], ".1f")],
         ["MBU (decode)", fmt(r.get("mbu"), ".1%")],
+        ["overlapped decode steps", f"{r['overlap_fraction']:.1%} of {r['static_decode_steps']}"],
         ["decode step GPU time (ms, graph replay)", fmt(r.get("decode_graph_gpu_s"), **ms)],
     ]
     if r.get("mfu") is not None or c.get("roofline"):

@@ -24,8 +24,8 @@ import argparse
 import time
 
 from ridge import settings
-from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, resolve_max_model_len, summarize, sync,
-                                write_json)
+from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len, summarize,
+                                sync, write_json)
 from ridge.bench.datasets import (BenchRequest, RandomPrompts, check_range, load_sharegpt, special_token_ids,
                                   synthetic_requests)
 from ridge.config import EngineConfig
@@ -200,6 +200,7 @@ def run_throughput(llm, requests: list[BenchRequest], temperature: float = 1.0, 
         prompt_tokens_computed=stats1.prompt_tokens - stats0.prompt_tokens,
         ttft_s=summarize(ttft),
         request_latency_s=summarize(latency),
+        **overlap(stats0, stats1),
     )
 
 
@@ -223,6 +224,7 @@ def print_throughput(r: dict) -> None:
         ["engine host work", f"{r['host_fraction']:.1%}  ({split['engine_host']:.2f} s)"],
         ["outside the engine", f"{r['outside_engine_fraction']:.1%}  ({split['outside_engine']:.2f} s)"],
         ["steps / preemptions", f"{r['steps']} / {r['preemptions']}"],
+        ["overlapped decode steps", f"{r['overlap_fraction']:.1%} of {r['static_decode_steps']}"],
     ]
     title = (f"\nridge bench throughput: {src}, temperature {r['config']['temperature']}, "
              f"ignore_eos {r['config']['ignore_eos']} -- {env['device']}, {env['dtype']}, "

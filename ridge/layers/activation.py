@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from ridge.layers.cost import OpCost, StepShape
 
 
 class SiluAndMul(nn.Module):
@@ -18,3 +19,9 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)
+
+    def cost(self, step: StepShape, width: int) -> list[OpCost]:
+        """silu(gate) * up over `width` outputs a token: sigmoid (exp, add, divide), two multiplies
+        = 5 FLOPs an output; reads [T, 2 * width], writes [T, width]."""
+        n = step.num_tokens * width
+        return [OpCost("activation", "elementwise", 5 * n, 3 * n * step.act.bytes, compute=step.act.compute)]

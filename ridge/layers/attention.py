@@ -19,6 +19,7 @@ from ridge.kernels.attention_ref import paged_attention_ref
 from ridge.kernels.attention_triton import triton_paged_attention
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
+from ridge.layers.cost import OpCost, StepShape, attention_keys_read, attention_pairs
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,19 @@ class Attention(nn.Module):
         q, k = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
                                           k_cache, v_cache, meta.slot_mapping)
         return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        """rope_kv_write: q*cos + rotate(q)*sin, 3 FLOPs an element of q and k; reads q, k, v and the
+        cos/sin tables (head_dim/2 distinct values of each a position), writes the rotated q and k
+        and the new K/V rows. attention: reads Q, writes O, reads each sequence's cached K/V once."""
+        H, K, d, a, c = self.num_heads, self.num_kv_heads, self.head_dim, step.act.bytes, step.kv_elt
+        T, q, kv, w = step.num_tokens, self.num_heads * d, self.num_kv_heads * d, self.sliding_window
+        lens = list(zip(step.query_lens, step.context_lens))
+        written = T * 2 * kv * c
+        read = sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
+        pairs = sum(attention_pairs(ql, cl, w) for ql, cl in lens)
+        table = d * self.rotary.cos.element_size()
+        return [OpCost("rope_kv_write", "elementwise", 3 * T * (H + K) * d,
+                       T * (2 * q + 3 * kv) * a + T * table + written, kv_bytes=written, compute=step.act.compute),
+                OpCost("attention", "attention", 4 * H * d * pairs, 2 * T * q * a + read, kv_bytes=read,
+                       compute=step.act.compute)]

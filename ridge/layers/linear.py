@@ -26,6 +26,7 @@ from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
 from ridge.layers.weights import copy_checked, set_weight_loader
+from ridge.layers.cost import OpCost, Precision, StepShape, gemm_cost, precision_of
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -71,3 +72,13 @@ class Linear(nn.Module):
         if gemv_path:
             return gemv(x, self.weight, self.bias, act=act)
         return F.linear(x, self.weight, self.bias)
+
+    def weight_precision(self, step: StepShape) -> Precision:
+        """How the weight is stored: as its dtype, or the step's what-if format (a quantised Linear
+        states its own)."""
+        return step.weights or precision_of(self.weight.dtype)
+
+    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None) -> list[OpCost]:
+        """One GEMM over `rows` (default: every token of the step); `out_bytes` an output element."""
+        return [gemm_cost("linear", step.num_tokens if rows is None else rows, self.weight, self.bias,
+                          self.weight_precision(step), step, out_bytes)]

@@ -14,6 +14,7 @@ from torch import nn
 
 from ridge.kernels.rmsnorm import rms_norm, rms_norm_ref
 from ridge.layers.weights import set_weight_loader
+from ridge.layers.cost import OpCost, StepShape
 
 
 class RMSNorm(nn.Module):
@@ -29,3 +30,13 @@ class RMSNorm(nn.Module):
             return rms_norm_ref(x, self.weight, self.eps)
         residual = x + residual
         return rms_norm_ref(residual, self.weight, self.eps), residual
+
+    def cost(self, step: StepShape, rows: int | None = None, residual: bool = False,
+             residual_out: bool = True) -> list[OpCost]:
+        """x*x, accumulate, scale by 1/rms, by the weight: 4 FLOPs an element, +1 for the residual
+        add; reads x (and the residual), writes the output (and the sum, unless never read)."""
+        n = (step.num_tokens if rows is None else rows) * self.weight.shape[0]
+        moved = 2 + (1 + residual_out if residual else 0)
+        params = self.weight.numel() * self.weight.element_size()
+        return [OpCost("norm", "elementwise", (4 + residual) * n, moved * n * step.act.bytes + params, params,
+                       compute=step.act.compute)]

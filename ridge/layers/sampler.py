@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.layers.cost import OpCost, StepShape
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -105,3 +107,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
         top_v, top_i = logp.topk(b.max_logprobs, dim=-1) if b.max_logprobs else (None, None)
         info = (chosen, rank, top_v, top_i)
     return tokens, info
+
+
+def sampling_cost(step: StepShape, vocab: int) -> OpCost:
+    """Reads the float32 logits once. Greedy: one comparison a logit; random: 10 FLOPs a logit
+    (temperature, softmax's max/subtract/exp/sum/divide, -log of the noise, divide by it, argmax)."""
+    n = step.sampled_rows * vocab
+    return OpCost("sampling", "sampling", n * (1 if step.greedy else 10), n * 4, compute="fp32", module="sampler")

@@ -10,6 +10,8 @@ chunks and decode tokens side by side; only attention needs to know where sequen
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,9 +20,11 @@ from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.activation import SiluAndMul
 from ridge.layers.attention import Attention, AttentionBackend
+from ridge.layers.cost import OpCost, StepShape, child, embedding_cost, gemm_cost, precision_of
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
+from ridge.layers.sampler import sampling_cost
 from ridge.layers.weights import set_weight_loader
 
 # checkpoint projection name -> (ridge merged module, shard)
@@ -57,6 +61,14 @@ class LlamaAttention(nn.Module):
         out = self.attn(positions, q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, cfg.q_size))
 
+    def cost(self, step: StepShape) -> list[OpCost]:
+        out = child("qkv_proj", self.qkv_proj.cost(step), "qkv_proj")
+        if self.cfg.qk_norm:
+            T = step.num_tokens
+            out += child("q_norm", self.q_norm.cost(step, T * self.cfg.num_heads), "qk_norm")
+            out += child("k_norm", self.k_norm.cost(step, T * self.cfg.num_kv_heads), "qk_norm")
+        return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step), "o_proj")
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -69,6 +81,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x))
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        # the activation runs inside down_proj's forward (or its GEMV): charged to down_proj
+        act = self.down_proj.input_act.cost(step, self.down_proj.weight.shape[1])
+        return (child("gate_up_proj", self.gate_up_proj.cost(step), "gate_up_proj") + child("down_proj", act)
+                + child("down_proj", self.down_proj.cost(step), "down_proj"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,6 +107,13 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def cost(self, step: StepShape, first: bool = False) -> list[OpCost]:
+        """The first layer's input norm has no residual yet."""
+        return (child("input_layernorm", self.input_layernorm.cost(step, residual=not first))
+                + child("self_attn", self.self_attn.cost(step))
+                + child("post_attention_layernorm", self.post_attention_layernorm.cost(step, residual=True))
+                + child("mlp", self.mlp.cost(step)))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
@@ -105,6 +130,13 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        out = child("embed_tokens", [embedding_cost("embed", self.embed_tokens.weight, step)])
+        for i, layer in enumerate(self.layers):
+            out += child(f"layers.{i}", layer.cost(step, first=i == 0))
+        # the final norm's residual output is never read, so it is not written
+        return out + child("norm", self.norm.cost(step, residual=True, residual_out=False), "final_norm")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,3 +156,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        """Every op of one step, in order: the layers, the LM head over the rows that sample
+        (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
+        if self.cfg.tie_word_embeddings:
+            w = self.model.embed_tokens.weight
+            head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
+        else:
+            head = child("", self.lm_head.cost(replace(step, weights=None), step.sampled_rows, out_bytes=4), "lm_head")
+        return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

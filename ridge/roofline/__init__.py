@@ -5,8 +5,8 @@ predictions, and a report with a roofline plot.
     from ridge.roofline import run_roofline
     rep = run_roofline(device="cpu", batches=[1, 8], context=512, prefill_len=512, out="roofline-out")
 
-For benchmarks: `load_ceilings(device)` and `step_utilization(model_cfg, ceilings, shape, seconds)`
-with `shape = StepShape.from_scheduler_output(sched, Precision.from_dtype(dtype))`.
+Costs are the model's own (`model.cost(step)`, ridge/layers/cost.py), summed by `step_costs`;
+`utilization(costs, seconds, ceilings, compute)` is the one place MBU and MFU are computed.
 
 Names are imported on first use, so that `ridge --help` does not pay for torch.
 """
@@ -15,11 +15,11 @@ import importlib
 _EXPORTS = {
     "run_roofline": "api", "build_llm": "api",
     "Ceilings": "ceilings", "load_ceilings": "ceilings", "measure_ceilings": "ceilings",
-    "PRECISIONS": "cost_model", "OpCost": "cost_model", "Precision": "cost_model", "StepShape": "cost_model",
-    "step_costs": "cost_model",
+    "OpCost": "costs", "StepShape": "costs", "PRECISIONS": "costs", "Format": "costs", "format_of": "costs",
+    "matrix_compute": "costs", "op_costs": "costs", "parameter_bytes": "costs", "step_costs": "costs", "step_shape": "costs", "utilization": "costs",
     "OpRow": "diagnose", "StepReport": "diagnose", "classify": "diagnose", "diagnose_step": "diagnose",
-    "StepTiming": "measure", "Timeline": "measure", "time_step": "measure",
-    "PredictionRow": "predict", "predict": "predict", "predicted_step_s": "predict", "step_utilization": "predict",
+    "StepTiming": "timeline", "Timeline": "timeline", "time_step": "timeline",
+    "PredictionRow": "predict", "predict": "predict", "predicted_step_s": "predict",
     "Report": "report", "format_terminal": "report", "write_report": "report",
 }
 __all__ = list(_EXPORTS)

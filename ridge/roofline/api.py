@@ -8,7 +8,7 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.roofline.ceilings import load_ceilings
-from ridge.roofline.cost_model import PRECISIONS, Precision, parameter_bytes, step_costs
+from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
 from ridge.roofline.measure import build_decode, build_prefill, fill_kv_pool, release, time_engine_step
 from ridge.roofline.predict import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_PRECISIONS, default_kv_budget,
@@ -100,24 +100,25 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
         ceilings = load_ceilings(llm.engine.cfg.device, remeasure=remeasure)
     engine = llm.engine
     cfg, ecfg = engine.model_cfg, engine.cfg
-    precision = Precision.from_dtype(ecfg.dtype)
+    fmt = format_of(ecfg.dtype)
+    model = engine.runner.model
     steps = []
     plans = [("prefill", prefill_batch, prefill_len)] if prefill_len else []
     plans += [("decode", b, context) for b in batches]
     filled = False
     for kind, batch, length in plans:
         if kind == "prefill":
-            built = build_prefill(engine, batch, length, precision, sampling)
+            built = build_prefill(engine, batch, length, sampling)
         else:
             if not filled:
                 fill_kv_pool(engine.runner)
                 filled = True
-            built = build_decode(engine, batch, length, precision, sampling)
+            built = build_decode(engine, batch, length, sampling)
         try:
             timing = time_engine_step(engine, built, reps=reps, warmup=warmup)
         finally:
             release(engine, built)
-        steps.append(diagnose_step(kind, built.shape, step_costs(cfg, built.shape), timing, ceilings,
+        steps.append(diagnose_step(kind, built.shape, step_costs(model, built.shape), timing, ceilings,
                                    built.batch, built.context, built.query_len))
     predictions, budget = None, None
     if predict:
@@ -125,18 +126,18 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
         contexts = contexts or [cfg.max_position_embeddings]
         predictions = predict_grid(cfg, ceilings, predict_batches, contexts, precisions, kv_budget,
                                    ecfg.page_size, greedy=sampling == "greedy")
-        budget = kv_budget if kv_budget is not None else default_kv_budget(cfg, ceilings, precision)
+        budget = kv_budget if kv_budget is not None else default_kv_budget(cfg, ceilings, fmt)
     info = dict(architecture=cfg.architecture, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                 parameters=sum(p.numel() for p in engine.runner.model.parameters()),
-                parameter_bytes=parameter_bytes(cfg, precision))
+                parameter_bytes=parameter_bytes(model))
     notes = []
     if ecfg.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 and ecfg.dtype == torch.float32:
         notes.append("float32 GEMMs run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)")
     rep = Report(model=ecfg.model, model_name=os.path.basename(os.path.normpath(ecfg.model)), model_info=info,
                  device=ceilings.name, device_type=ceilings.device, dtype=str(ecfg.dtype).removeprefix("torch."),
-                 backend=engine.runner.backend.name, compute_roof=ceilings.roof(precision.compute),
+                 backend=engine.runner.backend.name, compute_roof=ceilings.roof(fmt.compute),
                  ceilings=ceilings, steps=steps, predictions=predictions,
                  kv_budget_bytes=budget, created=datetime.datetime.now().isoformat(timespec="seconds"),
                  command=command, notes=notes)

@@ -18,10 +18,12 @@ FLOP/byte) sits far left of any ridge point, so the memory roof is the one that 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ridge.roofline.ceilings import Ceilings
-from ridge.roofline.cost_model import GEMM_OPS, OpCost, StepShape
+from ridge.layers.cost import OpCost, StepShape
+from ridge.roofline.costs import matrix_compute, utilization
 from ridge.roofline.predict import launch_floor_s, launches_s
 
 # A kernel must last at least two launch overheads for the launching side to stay ahead of the
@@ -43,6 +45,7 @@ LABELS = ("memory-bound", "compute-bound", "launch-bound", "implementation-bound
 @dataclass
 class OpRow:
     op: str
+    kind: str                            # OpCost.kind
     time_s: float | None                 # None: not measured on its own
     share: float                         # of the step time
     calls: float
@@ -126,10 +129,10 @@ def op_row(cost: OpCost, time_s: float | None, kernels: float | None, calls: flo
     ai = cost.flops / cost.bytes if cost.flops and cost.bytes else None
     attainable = min(peak, ai * bw) if ai else 0.0
     if time_s is None or time_s <= 0:
-        return OpRow(cost.name, None, 0.0, calls, kernels, cost.flops, cost.bytes, ai, 0.0, 0.0,
+        return OpRow(cost.name, cost.kind, None, 0.0, calls, kernels, cost.flops, cost.bytes, ai, 0.0, 0.0,
                      ceilings.roof(cost.compute), peak, attainable, roof, ideal, None, "not measured")
     label, fraction, _ = classify(cost.flops, cost.bytes, time_s, kernels, ceilings, cost.compute, graph)
-    return OpRow(cost.name, time_s, time_s / step_time_s if step_time_s else 0.0, calls, kernels, cost.flops,
+    return OpRow(cost.name, cost.kind, time_s, time_s / step_time_s if step_time_s else 0.0, calls, kernels, cost.flops,
                  cost.bytes, ai, cost.flops / time_s, cost.bytes / time_s, ceilings.roof(cost.compute), peak,
                  attainable, roof, ideal, fraction, label)
 
@@ -169,13 +172,13 @@ def op_advice(row: OpRow, ceilings: Ceilings, step: str, graph: bool = False) ->
                 f"{'in-graph ' if graph else ''}launch overhead ({_fmt_time(launch_overhead(ceilings, graph))}): "
                 f"{lever}")
     if row.label == "memory-bound":
-        if row.op in GEMM_OPS:
+        if row.kind == "gemm":
             tip = ("INT4 or FP8 weights cut the weight bytes 4x or 2x; a larger batch reuses each weight "
                    f"byte over more tokens (intensity {row.intensity:.3g} FLOP/byte now)")
-        elif row.op == "attention":
+        elif row.kind == "attention":
             tip = ("it streams the KV cache: an FP8 KV cache halves the bytes; a larger batch does not help "
                    "(each sequence reads its own context)")
-        elif row.op == "sampling":
+        elif row.kind == "sampling":
             tip = "one fused pass over the logits (penalties, softmax, top-k/p and the draw together)"
         else:
             tip = ("fuse it into a neighbour so its input never round-trips through memory (residual+RMSNorm, "
@@ -198,7 +201,7 @@ def op_advice(row: OpRow, ceilings: Ceilings, step: str, graph: bool = False) ->
         return (f"at {row.fraction:.0%} of the {roof} matrix roof: the FLOPs themselves must shrink "
                 "(lower precision tensor cores, less recompute, e.g. prefix caching)")
     if row.label == "implementation-bound":
-        hint = ("small-M GEMM: split-K or a GEMV-style kernel" if row.op in GEMM_OPS and step == "decode"
+        hint = ("small-M GEMM: split-K or a GEMV-style kernel" if row.kind == "gemm" and step == "decode"
                 else "tiling, vectorised loads, occupancy")
         return (f"at {row.fraction:.0%} of its {row.roof} roof (intensity {row.intensity or 0:.3g} FLOP/byte): "
                 f"the kernel itself is the lever ({hint})")
@@ -212,29 +215,21 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     op_s, kernels, calls = dict(timing.op_s), dict(timing.kernels), dict(timing.calls)
     notes = list(timing.notes)
     costs = list(costs)
-    names = {c.name for c in costs}
-    for part, hosts, why in (
-            # the attention backend could not be wrapped: its rotary + KV write is timed inside attention
-            ("rope_kv_write", ("attention",), "rope_kv_write is not timed on its own: its cost is included in "
-                                              "attention"),
-            # the small-batch GEMV applies SiLU-and-mul inside down_proj's K loop: no kernel of its own
-            ("activation", ("down_proj",), "activation is fused into down_proj (small-batch GEMV): its cost is "
-                                           "included there"),
-            # RIDGE_FUSE_NORM: each layer's two norms run inside the GEMVs of the projections they feed
-            ("norm", ("qkv_proj", "gate_up_proj"), "the layers' norms are fused into qkv_proj and gate_up_proj "
-                                                   "(small-batch GEMV): half of their cost is included in each")):
-        if part in names and set(hosts) <= names and not op_s.get(part) and all(h in op_s for h in hosts):
-            inner = next(c for c in costs if c.name == part)
-            share = 1.0 / len(hosts)
-            merged = {}
-            for host in hosts:
-                outer = next(c for c in costs if c.name == host)
-                merged[host] = OpCost(host, outer.flops + share * inner.flops, outer.bytes + share * inner.bytes,
-                                      outer.weight_bytes + share * inner.weight_bytes,
-                                      outer.kv_bytes + share * inner.kv_bytes, outer.calls, outer.compute)
-            costs = [merged.get(c.name, c) for c in costs if c is not inner]
-            op_s.pop(part, None)
-            notes.append(why)
+    # An op with no time of its own ran inside the forward of a module that hosts a timed op too
+    # (called from it, or fused into its kernel: RoPE + KV write in attention, SiLU-and-mul in
+    # down_proj's GEMV): its cost is charged to the timed ops of that module, split evenly.
+    for inner in [c for c in costs if not op_s.get(c.name)]:
+        hosts = [c.name for c in costs if c.module == inner.module and c is not inner and op_s.get(c.name)]
+        if not hosts:
+            continue
+        share = 1.0 / len(hosts)
+        costs = [c if c.name not in hosts else dataclasses.replace(
+            c, flops=c.flops + share * inner.flops, bytes=c.bytes + share * inner.bytes,
+            param_bytes=c.param_bytes + share * inner.param_bytes, kv_bytes=c.kv_bytes + share * inner.kv_bytes)
+            for c in costs if c is not inner]
+        op_s.pop(inner.name, None)
+        notes.append(f"{inner.name} is not timed on its own: it runs inside {' and '.join(hosts)} "
+                     f"({inner.module or 'the model'}), whose time includes it; its cost is included there")
     step = timing.step_s
     graph = getattr(timing, "graph", False)
     rows = [op_row(c, op_s.get(c.name), kernels.get(c.name), calls.get(c.name, 0.0), step, ceilings, graph)
@@ -245,9 +240,7 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     idle = max(0.0, step - ops_time - host - other)
     flops = sum(c.flops for c in costs)
     nbytes = sum(c.bytes for c in costs)
-    compute = shape.precision.compute
-    mfu = flops / step / ceilings.peak(compute)
-    mbu = nbytes / step / ceilings.bandwidth
+    mfu, mbu = utilization(costs, step, ceilings, matrix_compute(shape))
     predicted = sum(r.ideal_s for r in rows)
     for r in rows:
         r.advice = op_advice(r, ceilings, name, graph)
@@ -290,7 +283,7 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     return StepReport(name=name, title=title, batch=batch, context=context, query_len=query_len,
                       tokens=shape.num_tokens, step_time_s=step, ops_time_s=ops_time, host_time_s=host,
                       other_time_s=other, idle_time_s=idle, idle_fraction=idle_share, flops=flops, bytes=nbytes,
-                      weight_bytes=sum(c.weight_bytes for c in costs), kv_bytes=sum(c.kv_bytes for c in costs),
+                      weight_bytes=sum(c.param_bytes for c in costs), kv_bytes=sum(c.kv_bytes for c in costs),
                       mfu=mfu, mbu=mbu, predicted_s=predicted,
                       predicted_launches_s=with_launches, label=label, rows=rows, advice=advice,
                       first_target=first, notes=notes, step_reps_s=list(timing.step_reps_s), cuda_graph=graph)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ridge.config import ModelConfig
 from ridge.roofline.ceilings import Ceilings
-from ridge.roofline.cost_model import (PRECISIONS, OpCost, Precision, StepShape, kv_bytes_per_token,
-                                       parameter_bytes, step_costs)
+from ridge.layers.cost import OpCost, StepShape
+from ridge.roofline.costs import PRECISIONS, Format, kv_bytes_per_token, parameter_bytes, step_costs
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
@@ -41,43 +41,31 @@ def launches_s(costs: list[OpCost], ceilings: Ceilings) -> float:
     return sum(c.calls for c in costs) * launch_floor_s(ceilings)
 
 
-def predicted_step_s(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape, with_launches: bool = False) -> float:
-    """The roofline floor of one step: each op at its roof, no gaps; with_launches adds one
-    launch floor per kernel (launches_s)."""
-    costs = step_costs(cfg, shape)
+def predicted_step_s(model, ceilings: Ceilings, shape: StepShape, with_launches: bool = False) -> float:
+    """The roofline floor of one step (`model`: a module with cost() or a ModelConfig): each op at
+    its roof, no gaps; with_launches adds one launch floor per kernel (launches_s)."""
+    costs = step_costs(model, shape)
     return sum(op_ideal_s(c, ceilings) for c in costs) + (launches_s(costs, ceilings) if with_launches else 0.0)
 
 
-def step_utilization(model_cfg: ModelConfig, ceilings: Ceilings, shape: StepShape,
-                     step_time_s: float) -> tuple[float, float]:
-    """(MFU, MBU) of a step that took `step_time_s`: its FLOPs over the measured matrix peak of its
-    precision, and its minimum bytes (weights + KV + activations) over the measured bandwidth.
-    For `ridge bench`: build `shape` with `StepShape.from_scheduler_output(sched, precision)`."""
-    if step_time_s <= 0:
-        raise ValueError(f"step_time_s: must be > 0, got {step_time_s}")
-    costs = step_costs(model_cfg, shape)
-    flops = sum(c.flops for c in costs)
-    nbytes = sum(c.bytes for c in costs)
-    return flops / step_time_s / ceilings.peak(shape.precision.compute), nbytes / step_time_s / ceilings.bandwidth
-
-
-def decode_bound(cfg: ModelConfig, ceilings: Ceilings, shape: StepShape) -> str:
-    costs = step_costs(cfg, shape)
+def decode_bound(model, ceilings: Ceilings, shape: StepShape) -> str:
+    costs = step_costs(model, shape)
     bw = ceilings.bandwidth
     terms = {
         "compute": sum(c.flops / ceilings.peak(c.compute) for c in costs),
-        "weights": sum(c.weight_bytes for c in costs) / bw,
+        "weights": sum(c.param_bytes for c in costs) / bw,
         "KV cache": sum(c.kv_bytes for c in costs) / bw,
-        "activations": sum(c.bytes - c.weight_bytes - c.kv_bytes for c in costs) / bw,
+        "activations": sum(c.bytes - c.param_bytes - c.kv_bytes for c in costs) / bw,
     }
     return max(terms, key=terms.get)
 
 
-def default_kv_budget(cfg: ModelConfig, ceilings: Ceilings, precision: Precision) -> float:
+def default_kv_budget(cfg: ModelConfig, ceilings: Ceilings, fmt: Format) -> float:
     """Bytes left for the KV cache: on a GPU, GPU_MEMORY_FRACTION of its memory minus the weights;
     on a CPU, the engine's default CPU pool."""
     if ceilings.device == "cuda" and ceilings.details.get("memory_bytes"):
-        return max(0.0, GPU_MEMORY_FRACTION * ceilings.details["memory_bytes"] - parameter_bytes(cfg, precision))
+        return max(0.0, GPU_MEMORY_FRACTION * ceilings.details["memory_bytes"]
+                   - parameter_bytes(cfg, fmt.shape(StepShape((1,), (1,)))))
     from ridge.engine.llm import DEFAULT_CPU_KV_BYTES
     return float(DEFAULT_CPU_KV_BYTES)
 
@@ -105,15 +93,15 @@ def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, conte
     for pname in precisions:
         if pname not in PRECISIONS:
             raise ValueError(f"precisions: unknown {pname!r}; expected one of {', '.join(PRECISIONS)}")
-        p = PRECISIONS[pname]
-        budget = default_kv_budget(cfg, ceilings, p) if kv_budget is None else kv_budget
+        f = PRECISIONS[pname]
+        budget = default_kv_budget(cfg, ceilings, f) if kv_budget is None else kv_budget
         for ctx in contexts:
             pages = -(-ctx // page_size)
-            per_seq = pages * page_size * kv_bytes_per_token(cfg, p)
+            per_seq = pages * page_size * kv_bytes_per_token(cfg, f.shape(StepShape((1,), (1,))))
             max_batch = int(budget // per_seq)
             for b in batches:
-                pre = predicted_step_s(cfg, ceilings, StepShape.prefill(b, ctx, p, greedy))
-                dshape = StepShape.decode(b, ctx, p, greedy)
+                pre = predicted_step_s(cfg, ceilings, f.shape(StepShape.prefill(b, ctx, greedy=greedy)))
+                dshape = f.shape(StepShape.decode(b, ctx, greedy=greedy))
                 dec = predicted_step_s(cfg, ceilings, dshape)
                 dec_launches = predicted_step_s(cfg, ceilings, dshape, with_launches=True)
                 rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec, dec_launches,

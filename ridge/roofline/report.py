@@ -112,7 +112,8 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str
 
 def _prediction_cells(p: PredictionRow) -> list[str]:
     return [p.precision, str(p.context), str(p.batch), _fmt_s(p.prefill_s), f"{p.prefill_tok_s:,.0f}",
-            _fmt_s(p.decode_s), f"{p.decode_tok_s:,.0f}", _fmt_s(p.decode_launches_s), p.decode_bound, str(p.max_batch), "yes" if p.fits else "no"]
+            _fmt_s(p.decode_s), f"{p.decode_tok_s:,.0f}", _fmt_s(p.decode_launches_s), p.decode_bound,
+            str(p.max_batch), "yes" if p.fits else "no"]
 
 
 _PRED_COLS = ["precision", "context", "batch", "prefill", "prefill tok/s", "decode step", "decode tok/s",
@@ -126,9 +127,7 @@ def format_terminal(rep: Report) -> str:
            f"{rep.model_info.get('parameters', 0) / 1e6:.1f}M parameters), {rep.dtype}, {rep.backend} attention",
            f"device: {rep.device} ({rep.device_type}); ceilings measured {c.measured_at}",
            "ceilings: " + ceilings_line(c)]
-    ds = datasheet_line(c)
-    if ds:
-        out.append(ds)
+    out += [ds for ds in [datasheet_line(c)] if ds]
     headers = [h.format(fu=fu, bu=bu) for h in _COLS]
     for s in rep.steps:
         out += ["", f"{s.title}", "  " + step_summary_line(s),
@@ -154,11 +153,7 @@ def to_json(rep: Report) -> dict:
         summary = {k: v for k, v in asdict(s).items() if k not in ("rows", "advice", "first_target", "notes")}
         summary["floor_fraction"] = s.predicted_s / s.step_time_s     # roofline floor / measured step
         summary["prediction_fraction"] = s.predicted_launches_s / s.step_time_s   # floor + launches / measured
-        rows = []
-        for r in s.rows:
-            d = asdict(r)
-            d["lost_s"] = r.lost_s
-            rows.append(d)
+        rows = [dict(asdict(r), lost_s=r.lost_s) for r in s.rows]
         steps.append(dict(name=s.name, title=s.title, summary=summary, ops=rows, advice=s.advice,
                           first_target=s.first_target, notes=s.notes))
     c = rep.ceilings
@@ -193,9 +188,7 @@ def to_markdown(rep: Report, image: str | None = "roofline.png") -> str:
            f"Device: {rep.device} ({rep.device_type}). Report written {rep.created}"
            + (f" by `{rep.command}`." if rep.command else "."), "",
            f"**Measured ceilings** ({c.measured_at}): {ceilings_line(c)}."]
-    ds = datasheet_line(c)
-    if ds:
-        out += ["", ds + "."]
+    out += [x for ds in [datasheet_line(c)] if ds for x in ("", ds + ".")]
     if image:
         out += ["", f"![roofline]({image})"]
     out += ["", f"Labels: launch-bound when an op's time per kernel is under {LAUNCH_BOUND_FACTOR:g}x the launch "

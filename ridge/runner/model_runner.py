@@ -66,6 +66,13 @@ class ModelRunner:
         # flight (the one being committed and the one launched ahead), so two, used in turn.
         self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._landing_turn = 0
+        # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
+        # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
+        self.step_observers: list = []
+
+    def _observe(self, event: str, phase: str, arg) -> None:
+        for o in self.step_observers:
+            getattr(o, event)(phase, arg)
 
     def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
@@ -176,9 +183,14 @@ class ModelRunner:
             dst = self.to_device([d for _, d in copies], torch.int64)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
+        self._observe("on_step_start", "execute", sched)
+        out = self._execute(sched, previous)
+        self._observe("on_step_end", "execute", sched)
+        return out
+
     @torch.inference_mode()
-    def execute(self, sched,
-                previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
+    def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
         for requests that score their prompt.
 
@@ -239,8 +251,14 @@ class ModelRunner:
         return host.tolist()
 
     # -- sampling -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
+        self._observe("on_step_start", "sample", seqs)
+        out = self._sample(logits, seqs, eos_ids)
+        self._observe("on_step_end", "sample", seqs)
+        return out
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
         if all(_plain_greedy(s) for s in seqs):   # one argmax launch, no per-row parameters
             return logits.argmax(dim=-1), None
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))

@@ -1,0 +1,160 @@
+"""What a layer costs in one step: FLOPs and the minimum bytes an ideal kernel moves, stated by the
+layer itself from the batch's shape and the precision of its own weights (`Module.cost(step)`).
+The roofline only sums what the model's modules say, so a new layer type (a quantised linear, an
+MoE block) brings its cost with it.
+
+Conventions (each the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far a
+kernel is from the memory roof):
+  - every operand is read once and every result written once; weights are read once per step
+    whatever the token count (they are why decode is memory-bound);
+  - a matrix product [m, k] x [k, n] is 2*m*n*k FLOPs; a bias adds m*n;
+  - attention is 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K and P.V), softmax
+    left out as in FlashAttention's own accounting;
+  - integer index tensors (ids, positions, slots, page tables) are left out.
+
+An op names the module whose forward runs it (`module`, a path relative to the module that
+returned it). Where several ops name one module, the last is the module's own and the ones before
+run inside its forward (called from it or fused into its kernel): a measured time of the module
+belongs to them together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a tensor is stored: bytes an element (scales included) and the matrix ceiling its
+    products run against."""
+    name: str
+    bytes: float
+    compute: str
+
+
+DTYPE_PRECISIONS = {torch.float32: Precision("fp32", 4, "fp32"), torch.bfloat16: Precision("bf16", 2, "bf16"),
+                    torch.float16: Precision("fp16", 2, "fp16"), torch.float8_e4m3fn: Precision("fp8", 1, "fp8")}
+
+
+def precision_of(dtype: torch.dtype) -> Precision:
+    if dtype not in DTYPE_PRECISIONS:
+        raise ValueError(f"dtype: no cost precision for {dtype}")
+    return DTYPE_PRECISIONS[dtype]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One flat batch: per sequence its new tokens this step and its context length after it.
+    `dtype` is the activations' (and by default the KV cache's); `kv_bytes` overrides the KV
+    cache's bytes an element and `weights` the storage of the projections' weights, for
+    predictions of formats the model is not loaded in."""
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_sampled: int | None = None       # rows that compute logits (default: one per sequence)
+    greedy: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    kv_bytes: float | None = None
+    weights: Precision | None = None
+
+    def __post_init__(self):
+        if len(self.query_lens) != len(self.context_lens) or not self.query_lens:
+            raise ValueError("step shape: query_lens and context_lens must be non-empty and of equal length")
+        for q, c in zip(self.query_lens, self.context_lens):
+            if not 1 <= q <= c:
+                raise ValueError(f"step shape: need 1 <= query length <= context length, got {q} and {c}")
+
+    @classmethod
+    def prefill(cls, batch: int, prompt_len: int, **kw) -> "StepShape":
+        return cls((prompt_len,) * batch, (prompt_len,) * batch, **kw)
+
+    @classmethod
+    def decode(cls, batch: int, context_len: int, **kw) -> "StepShape":
+        return cls((1,) * batch, (context_len,) * batch, **kw)
+
+    num_tokens = property(lambda self: sum(self.query_lens))
+    num_seqs = property(lambda self: len(self.query_lens))
+    sampled_rows = property(lambda self: self.num_seqs if self.num_sampled is None else self.num_sampled)
+    num_decode_seqs = property(lambda self: sum(1 for q in self.query_lens if q == 1))
+    num_prefill_tokens = property(lambda self: sum(q for q in self.query_lens if q > 1))
+    act = property(lambda self: precision_of(self.dtype))
+    kv_elt = property(lambda self: self.act.bytes if self.kv_bytes is None else self.kv_bytes)
+
+
+@dataclass(slots=True)
+class OpCost:
+    name: str
+    kind: str                 # "gemm", "attention", "elementwise", "embedding" or "sampling"
+    flops: float
+    bytes: float              # minimum bytes moved, all operands
+    param_bytes: float = 0.0  # of which parameters
+    kv_bytes: float = 0.0     # of which KV-cache reads and writes
+    calls: int = 1            # kernels' worth of calls in the step
+    compute: str = "bf16"     # the matrix ceiling its FLOPs are held against
+    module: str = ""          # the module whose forward runs it (see the module docstring)
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCost]:
+    """A child module's costs as its parent states them (the list is the child's fresh one, so it
+    is relabelled in place): module paths under `path`, optionally renamed."""
+    for c in costs:
+        c.module = f"{path}.{c.module}" if path and c.module else path or c.module
+        c.name = name or c.name
+    return costs
+
+
+def merge(costs: list[OpCost]) -> list[OpCost]:
+    """One op per name (first-seen order), FLOPs, bytes and calls summed; the first one's module."""
+    out: dict[str, OpCost] = {}
+    for c in costs:
+        o = out.get(c.name)
+        if o is None:
+            out[c.name] = replace(c)
+        else:
+            o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
+            o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
+    return list(out.values())
+
+
+def total(costs: list[OpCost]) -> tuple[float, float]:
+    return sum(c.flops for c in costs), sum(c.bytes for c in costs)
+
+
+def gemm_cost(name: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, w: Precision,
+              step: StepShape, out_bytes: float | None = None) -> OpCost:
+    """x [rows, k] @ weight[n, k]^T (+ bias), the weight stored as `w`."""
+    n, k = weight.shape
+    a = step.act.bytes
+    params = n * k * w.bytes + (n * bias.element_size() if bias is not None else 0)
+    flops = 2 * rows * n * k + (rows * n if bias is not None else 0)
+    return OpCost(name, "gemm", flops, params + rows * k * a + rows * n * (a if out_bytes is None else out_bytes),
+                  params, compute=w.compute)
+
+
+def embedding_cost(name: str, weight: torch.Tensor, step: StepShape) -> OpCost:
+    """One table row read and written per token."""
+    row = weight.shape[1] * weight.element_size()
+    return OpCost(name, "embedding", 0, 2 * step.num_tokens * row, step.num_tokens * row, compute=step.act.compute)
+
+
+def attention_pairs(query_len: int, context_len: int, window: int | None = None) -> int:
+    """(query row, key) pairs of one sequence under the causal mask: row at position p sees keys
+    max(0, p - window + 1) .. p, i.e. min(p + 1, window) of them."""
+    lo, hi = context_len - query_len + 1, context_len          # keys seen by the first / last row
+    if window is None or hi <= window:
+        return (lo + hi) * query_len // 2
+    total_pairs = 0
+    top = min(hi, window)
+    if lo <= top:
+        total_pairs += (lo + top) * (top - lo + 1) // 2
+    return total_pairs + window * (hi - max(lo, window + 1) + 1)
+
+
+def attention_keys_read(query_len: int, context_len: int, window: int | None = None) -> int:
+    """Distinct cached keys a sequence's rows read (the union of their windows)."""
+    return context_len if window is None else min(context_len, query_len + window - 1)

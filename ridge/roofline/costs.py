@@ -1,0 +1,124 @@
+"""The cost of a step is what the model's modules say it is: the model is built on the meta device
+(no weights, no memory) and asked for `cost(step)`; the roofline adds nothing of its own. The one
+place MBU and MFU are computed is `utilization`.
+
+PRECISIONS are the formats the prediction grid asks about: the activations' dtype, plus what-if
+storage of the projections' weights and of the KV cache (the layers apply them to their own
+tensors; the LM head keeps the model's dtype)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ridge.config import ModelConfig
+from ridge.layers.cost import OpCost, Precision, StepShape, merge, precision_of
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: torch.dtype = torch.bfloat16
+    weights: Precision | None = None     # None: as the model's dtype
+    kv_bytes: float | None = None        # None: as the model's dtype
+
+    @property
+    def compute(self) -> str:
+        """The matrix ceiling the projections run against."""
+        return (self.weights or precision_of(self.dtype)).compute
+
+    def shape(self, step: StepShape) -> StepShape:
+        return replace(step, dtype=self.dtype, weights=self.weights, kv_bytes=self.kv_bytes)
+
+
+# INT4 weight-only, group 128 with a 16-bit scale a group (the GEMM dequantises to bf16); FP8
+# weights with one float32 scale a 128x128 block, on FP8 tensor cores
+INT4 = Precision("int4", 0.5 + 2 / 128, "bf16")
+FP8 = Precision("fp8", 1 + 4 / (128 * 128), "fp8")
+PRECISIONS = {f.name: f for f in (
+    Format("bf16"), Format("fp16", torch.float16), Format("fp32", torch.float32), Format("fp8", weights=FP8),
+    Format("int4", weights=INT4), Format("fp8-kv", kv_bytes=1), Format("int4+fp8-kv", weights=INT4, kv_bytes=1))}
+
+
+def format_of(dtype: torch.dtype) -> Format:
+    return PRECISIONS[precision_of(dtype).name]
+
+
+def meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The model's module tree in `dtype` on the meta device: shapes and dtypes, no storage."""
+    from ridge.layers.attention import TORCH_BACKEND
+    from ridge.models.registry import model_class
+
+    key = (repr(cfg), dtype)
+    if key not in _META:
+        default = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(dtype)
+            with torch.device("meta"):
+                _META[key] = model_class(cfg.architecture)(cfg, TORCH_BACKEND, cfg.max_position_embeddings)
+        finally:
+            torch.set_default_dtype(default)
+    return _META[key]
+
+
+_META: dict = {}
+
+
+def model_of(model_or_cfg, dtype: torch.dtype) -> torch.nn.Module:
+    return meta_model(model_or_cfg, dtype) if isinstance(model_or_cfg, ModelConfig) else model_or_cfg
+
+
+def op_costs(model, step: StepShape) -> list[OpCost]:
+    """Every op of the step as the modules state it (one per module call), in order. `model`: a
+    module with `cost(step)` or a ModelConfig (its meta model in the step's dtype)."""
+    return model_of(model, step.dtype).cost(step)
+
+
+def step_costs(model, step: StepShape) -> list[OpCost]:
+    """One row per op name, summed over the layers."""
+    return merge(op_costs(model, step))
+
+
+ONE_TOKEN = StepShape((1,), (1,))
+
+
+def parameter_bytes(model, step: StepShape = ONE_TOKEN) -> float:
+    """Bytes the parameters occupy (the whole embedding table included): what a one-token decode
+    reads, each parameter once, plus the embedding rows it does not look up. `step` gives the
+    dtype of a ModelConfig's meta model and any what-if weight format."""
+    m = model_of(model, step.dtype)
+    costs = m.cost(replace(step, query_lens=(1,), context_lens=(1,), num_sampled=1))
+    tables = 0 if m.cfg.tie_word_embeddings else sum(
+        x.weight.numel() * x.weight.element_size() for x in m.modules() if isinstance(x, torch.nn.Embedding))
+    return sum(c.param_bytes for c in costs if c.kind != "embedding") + tables
+
+
+def kv_bytes_per_token(model, step: StepShape = ONE_TOKEN) -> float:
+    """A one-token step at context 1 writes one token's K/V and reads it back."""
+    costs = op_costs(model, replace(step, query_lens=(1,), context_lens=(1,), num_sampled=1))
+    return sum(c.kv_bytes for c in costs) / 2
+
+
+def utilization(costs: list[OpCost], seconds: float, ceilings, compute: str) -> tuple[float, float]:
+    """(MFU, MBU) of ops that took `seconds`: their FLOPs over the measured matrix peak of
+    `compute`, their minimum bytes (weights + KV + activations) over the measured bandwidth. The
+    only place either is computed."""
+    if seconds <= 0:
+        raise ValueError(f"seconds: must be > 0, got {seconds}")
+    flops = sum(c.flops for c in costs)
+    nbytes = sum(c.bytes for c in costs)
+    mfu = flops / seconds / ceilings.peak(compute)
+    mbu = nbytes / seconds / ceilings.bandwidth
+    return mfu, mbu
+
+
+def matrix_compute(step: StepShape) -> str:
+    """The matrix ceiling a step's projections run against: the one its MFU is held to."""
+    return (step.weights or step.act).compute
+
+
+def step_shape(sched, dtype: torch.dtype, greedy: bool = True) -> StepShape:
+    """The shape of an engine step (`ridge.engine.scheduler.SchedulerOutput`)."""
+    items = sched.scheduled
+    return StepShape(tuple(i.num_new_tokens for i in items), tuple(i.start + i.num_new_tokens for i in items),
+                     num_sampled=sum(1 for i in items if i.samples), greedy=greedy, dtype=dtype)
