@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = ap.add_argument_group("ridge engine")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="bytes if > 1, else a fraction of free memory")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache pool in bytes (default: the engine's)")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     g.add_argument("--no-async-scheduling", action="store_true",
@@ -123,9 +123,7 @@ def run_ridge(a, model: str, record) -> None:
     from ridge.bench.latency import run_latency
     from ridge.bench.throughput import run_throughput
 
-    kv = a.kv_cache_memory
-    if kv is not None and kv > 1:
-        kv = int(kv)
+    kv = None if a.kv_cache_memory is None else int(a.kv_cache_memory)
     extra = dict(enforce_eager=a.enforce_eager, async_scheduling=not a.no_async_scheduling)
     llm = LLM(model, dtype=a.dtype, device=a.device, max_model_len=ridge_max_len(a), max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=kv, seed=a.seed,

@@ -68,7 +68,7 @@ wait_ckpt() {
 present=""; for f in $KERNEL_TESTS; do [ -f "$f" ] && present+=" $f"; done
 rest=""; for f in $(grep -l "mark.gpu" tests/test_*.py); do [[ " $KERNEL_TESTS " == *" $f "* ]] || rest+=" $f"; done
 
-part tests-kernels 60 240 "python3 -m pytest -q -m gpu $present 2>&1 | tee -a $TESTS | tail -15"
+part tests-kernels 60 240 "python3 -m pytest -q -rA -m gpu $present 2>&1 | tee -a $TESTS | tail -15"
 # the timed parts run alone on the device: the checkpoint writer finishes first
 if has attention || has gemv || has fused; then wait_ckpt; fi
 part attention 60 240 "python3 benchmarks/attention.py --json $OUT/attention.json"
@@ -87,7 +87,7 @@ fi
 has dummy && wait_ckpt
 part dummy 60 300 "python3 benchmarks/engine_ready.py --json $OUT/engine_ready.json"
 wait_ckpt
-part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
+part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -rA -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
 part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
   --json $OUT/fast_path_8b.json 2>&1 | grep -v -i warn | tail -24"
 
