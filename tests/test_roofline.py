@@ -149,7 +149,7 @@ def test_a_new_layer_type_is_timed_by_its_own_cost_name(tiny_llm, roofline_env):
     row (hooks found through cost(), named by it) without any roofline edit."""
     from torch import nn
 
-    from ridge.layers.cost import merge
+    from ridge.roofline.costs import merge
     from ridge.roofline.measure import build_decode, release, time_engine_step
 
     class ToyBlock(nn.Module):

@@ -19,7 +19,7 @@ from ridge.kernels.attention_ref import paged_attention_ref
 from ridge.kernels.attention_triton import triton_paged_attention
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
-from ridge.layers.cost import OpCost, StepShape, attention_keys_read, attention_pairs
+from ridge.layers.cost import OpCost, StepShape
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,9 @@ class AttentionBackend:
     attend: Callable
 
 
-def _torch_attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
-    """The reference reads every key, new ones included, back from the cache: the oracle."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
-
-
-TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, _torch_attend)
+# the reference reads every key, new ones included, back from the cache: the oracle
+TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, lambda q, k, v, k_cache, v_cache, meta, scale, window=None:
+                                 paged_attention_ref(q, k_cache, v_cache, meta, scale, window))
 
 
 def triton_supports(head_dim: int) -> bool:
@@ -53,6 +50,21 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
     if name in ("auto", "triton"):
         return AttentionBackend("triton", rope_write_kv, triton_paged_attention)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
+
+
+def attention_pairs(query_len: int, context_len: int, window: int | None = None) -> int:
+    """(query row, key) pairs of one sequence under the causal mask: the row at position p sees
+    keys max(0, p - window + 1) .. p, i.e. min(p + 1, window) of them."""
+    lo, hi = context_len - query_len + 1, context_len          # keys seen by the first / last row
+    if window is None or hi <= window:
+        return (lo + hi) * query_len // 2
+    m = min(lo, window + 1)                                    # rows under the window see m .. window
+    return (m + window) * (window - m + 1) // 2 + window * (hi - max(lo, window + 1) + 1)
+
+
+def attention_keys_read(query_len: int, context_len: int, window: int | None = None) -> int:
+    """Distinct cached keys a sequence's rows read (the union of their windows)."""
+    return context_len if window is None else min(context_len, query_len + window - 1)
 
 
 class Attention(nn.Module):
@@ -76,9 +88,9 @@ class Attention(nn.Module):
         """rope_kv_write: q*cos + rotate(q)*sin, 3 FLOPs an element of q and k; reads q, k, v and the
         cos/sin tables (head_dim/2 distinct values of each a position), writes the rotated q and k
         and the new K/V rows. attention: reads Q, writes O, reads each sequence's cached K/V once."""
-        H, K, d, a, c = self.num_heads, self.num_kv_heads, self.head_dim, step.act.bytes, step.kv_elt
-        T, q, kv, w = step.num_tokens, self.num_heads * d, self.num_kv_heads * d, self.sliding_window
-        lens = list(zip(step.query_lens, step.context_lens))
+        H, K, d, w = self.num_heads, self.num_kv_heads, self.head_dim, self.sliding_window
+        T, a, c, lens = step.num_tokens, step.act.bytes, step.kv_elt, list(zip(step.query_lens, step.context_lens))
+        q, kv = H * d, K * d
         written = T * 2 * kv * c
         read = sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
         pairs = sum(attention_pairs(ql, cl, w) for ql, cl in lens)

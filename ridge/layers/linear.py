@@ -74,11 +74,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weight_precision(self, step: StepShape) -> Precision:
-        """How the weight is stored: as its dtype, or the step's what-if format (a quantised Linear
-        states its own)."""
+        """Its dtype, or the step's what-if format (a quantised Linear states its own)."""
         return step.weights or precision_of(self.weight.dtype)
 
-    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None) -> list[OpCost]:
-        """One GEMM over `rows` (default: every token of the step); `out_bytes` an output element."""
-        return [gemm_cost("linear", step.num_tokens if rows is None else rows, self.weight, self.bias,
-                          self.weight_precision(step), step, out_bytes)]
+    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
+             name: str = "linear") -> list[OpCost]:
+        """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
+        the input activation's ops first (they run inside this forward, or inside the GEMV)."""
+        act = self.input_act.cost(step, self.weight.shape[1]) if self.input_act is not None else []
+        return act + [gemm_cost(name, step.num_tokens if rows is None else rows, self.weight, self.bias,
+                                self.weight_precision(step), step, out_bytes)]

@@ -20,7 +20,7 @@ from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.activation import SiluAndMul
 from ridge.layers.attention import Attention, AttentionBackend
-from ridge.layers.cost import OpCost, StepShape, child, embedding_cost, gemm_cost, precision_of
+from ridge.layers.cost import OpCost, StepShape, child, gemm_cost, precision_of
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
@@ -28,13 +28,8 @@ from ridge.layers.sampler import sampling_cost
 from ridge.layers.weights import set_weight_loader
 
 # checkpoint projection name -> (ridge merged module, shard)
-CHECKPOINT_NAME_MAP = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+CHECKPOINT_NAME_MAP = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
 class LlamaAttention(nn.Module):
@@ -52,22 +47,20 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (t.view(-1, n, cfg.head_dim) for t, n in zip(
+            self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1),
+            (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(positions, q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, cfg.q_size))
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        out = child("qkv_proj", self.qkv_proj.cost(step), "qkv_proj")
+        out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))
         if self.cfg.qk_norm:
-            T = step.num_tokens
-            out += child("q_norm", self.q_norm.cost(step, T * self.cfg.num_heads), "qk_norm")
-            out += child("k_norm", self.k_norm.cost(step, T * self.cfg.num_kv_heads), "qk_norm")
-        return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step), "o_proj")
+            out += [c for n, h in (("q_norm", self.cfg.num_heads), ("k_norm", self.cfg.num_kv_heads))
+                    for c in child(n, getattr(self, n).cost(step, step.num_tokens * h), "qk_norm")]
+        return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step, name="o_proj"))
 
 
 class LlamaMLP(nn.Module):
@@ -83,10 +76,8 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        # the activation runs inside down_proj's forward (or its GEMV): charged to down_proj
-        act = self.down_proj.input_act.cost(step, self.down_proj.weight.shape[1])
-        return (child("gate_up_proj", self.gate_up_proj.cost(step), "gate_up_proj") + child("down_proj", act)
-                + child("down_proj", self.down_proj.cost(step), "down_proj"))
+        return (child("gate_up_proj", self.gate_up_proj.cost(step, name="gate_up_proj"))
+                + child("down_proj", self.down_proj.cost(step, name="down_proj")))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,7 +123,9 @@ class LlamaModel(nn.Module):
         return x
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        out = child("embed_tokens", [embedding_cost("embed", self.embed_tokens.weight, step)])
+        w, T = self.embed_tokens.weight, step.num_tokens
+        row = w.shape[1] * w.element_size()                 # one table row read and written per token
+        out = [OpCost("embed", "embedding", 0, 2 * T * row, T * row, compute=step.act.compute, module="embed_tokens")]
         for i, layer in enumerate(self.layers):
             out += child(f"layers.{i}", layer.cost(step, first=i == 0))
         # the final norm's residual output is never read, so it is not written
@@ -164,5 +157,5 @@ class LlamaForCausalLM(nn.Module):
             w = self.model.embed_tokens.weight
             head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
         else:
-            head = child("", self.lm_head.cost(replace(step, weights=None), step.sampled_rows, out_bytes=4), "lm_head")
+            head = self.lm_head.cost(replace(step, weights=None), step.sampled_rows, out_bytes=4, name="lm_head")
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

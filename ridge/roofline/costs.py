@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ridge.config import ModelConfig
-from ridge.layers.cost import OpCost, Precision, StepShape, merge, precision_of
+from ridge.layers.cost import OpCost, Precision, StepShape, precision_of
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,19 @@ def op_costs(model, step: StepShape) -> list[OpCost]:
     """Every op of the step as the modules state it (one per module call), in order. `model`: a
     module with `cost(step)` or a ModelConfig (its meta model in the step's dtype)."""
     return model_of(model, step.dtype).cost(step)
+
+
+def merge(costs: list[OpCost]) -> list[OpCost]:
+    """One op per name (first-seen order), FLOPs, bytes and calls summed; the first one's module."""
+    out: dict[str, OpCost] = {}
+    for c in costs:
+        o = out.get(c.name)
+        if o is None:
+            out[c.name] = replace(c)
+        else:
+            o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
+            o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
+    return list(out.values())
 
 
 def step_costs(model, step: StepShape) -> list[OpCost]:
