@@ -1,17 +1,15 @@
 """Build a model from an HF checkpoint directory: streamed safetensors, or dummy weights.
 
-Parameters are allocated once, uninitialised, on the target device and dtype. With
-load_format "auto" / "safetensors" each checkpoint tensor is then read (memory-mapped by
-safetensors, so at most one shard is mapped at a time) and handed, by name, to its parameter's
-own weight_loader (ridge/layers/weights.py), which copies it into place - into its shard's rows
-for a merged projection. Nothing is copied twice and no full state dict is built.
+Parameters are allocated once, uninitialised, on the target device and dtype. With load_format
+"auto" / "safetensors" each checkpoint tensor is then read (memory-mapped, so at most one shard is
+mapped at a time) and handed by name to its parameter's own weight_loader (ridge/layers/weights.py),
+which copies it into place. Nothing is copied twice and no full state dict is built.
 
-With load_format "dummy" (vLLM's name) nothing is read but config.json: every parameter is
-filled in place on the device from a seeded generator, so that a model of any size starts in
-the time it takes to write its weights once in device memory - benchmark shapes (8B-70B)
-without tens of GB of checkpoint on disk. Matrices and embeddings get normal(0, 0.02), as
-transformers initialises them; norm weights 1 + normal(0, 0.02). Never zeros: a zero weight
-would let a kernel skip work, or hide a wrong read, that real weights would not.
+With load_format "dummy" (vLLM's name) only config.json is read: every parameter is filled in
+place on the device from a seeded generator, so a model of any size (benchmark shapes, 8B-70B)
+starts in the time it takes to write its weights once, with no checkpoint on disk. Matrices and
+embeddings get normal(0, 0.02) as transformers initialises them, norm weights 1 + normal(0, 0.02).
+Never zeros: a zero weight could let a kernel skip work, or hide a wrong read, that real ones would not.
 """
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, n) for n in names]
+            files = [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise ValueError(f"model: shard(s) named in the index are missing: {', '.join(map(os.path.basename, missing))}")
@@ -74,18 +71,13 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
                load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    cls = model_class(cfg.architecture)
-    with torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = cls(cfg, backend, max_position)
-        finally:
-            torch.set_default_dtype(default)
-    # rotary tables stay float32: they are computed exactly as transformers does
-    for mod in model.modules():
-        if hasattr(mod, "cos"):
-            mod.cos, mod.sin = mod.cos.float(), mod.sin.float()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
+    try:
+        with torch.device(device):
+            model = model_class(cfg.architecture)(cfg, backend, max_position)
+    finally:
+        torch.set_default_dtype(default)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
@@ -98,12 +90,9 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter in place on its device from one generator seeded with `seed`, in
     parameter order: the same seed gives the same model (see the module docstring)."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generators = {}
+    generators = {p.device: torch.Generator(device=p.device).manual_seed(seed) for p in model.parameters()}
     for p in model.parameters():
-        g = generators.get(p.device)
-        if g is None:
-            g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=g)
+        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[p.device])
 
 
 @torch.no_grad()
