@@ -70,9 +70,14 @@ class ModelRunner:
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
 
-    def _observe(self, event: str, phase: str, arg) -> None:
+    def _observed(self, phase: str, arg, run, *args):
+        """run(*args) between the observers' on_step_start(phase, arg) and on_step_end(phase, arg)."""
         for o in self.step_observers:
-            getattr(o, event)(phase, arg)
+            o.on_step_start(phase, arg)
+        out = run(*args)
+        for o in self.step_observers:
+            o.on_step_end(phase, arg)
+        return out
 
     def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
@@ -109,12 +114,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         n = max(2, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len, 2048))
         ids = torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            page_tables=torch.zeros(1, -(-n // self.cfg.page_size), dtype=torch.int32, device=self.device),
-            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+        meta = self.metadata([-1] * n, [0, n], [n], [[0] * -(-n // self.cfg.page_size)])
         hidden = self.model(ids, torch.arange(n, device=self.device), self.layer_caches, meta)
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         torch.cuda.synchronize(self.device)
@@ -148,28 +148,25 @@ class ModelRunner:
         for item in sched.scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             input_ids += seq.token_ids[start:start + n]
-            pos = range(start, start + n)
-            positions += pos
-            table = seq.page_table
-            slots += [slot_of(table, p, bs) for p in pos]
+            positions += range(start, start + n)
+            slots += [slot_of(seq.page_table, p, bs) for p in range(start, start + n)]
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
         max_pages = max(len(item.seq.page_table) for item in sched.scheduled)
         tables = [item.seq.page_table + [0] * (max_pages - len(item.seq.page_table)) for item in sched.scheduled]
+        meta = self.metadata(slots, starts, seq_lens, tables)
+        return self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta, sample_rows
+
+    def metadata(self, slots: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]]):
+        """AttentionMetadata of a flat batch from its host lists (query starts: len(seq_lens) + 1)."""
         to_dev = self.to_device
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slots, torch.int64),
-            query_start_loc=to_dev(starts, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            page_tables=to_dev(tables, torch.int32),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return to_dev(input_ids, torch.int64), to_dev(positions, torch.int64), meta, sample_rows
+        return AttentionMetadata(
+            slot_mapping=to_dev(slots, torch.int64), query_start_loc=to_dev(starts, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32), page_tables=to_dev(tables, torch.int32),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(seq_lens))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Host list -> device tensor through pinned memory, without waiting for the GPU (a copy
@@ -184,10 +181,7 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        self._observe("on_step_start", "execute", sched)
-        out = self._execute(sched, previous)
-        self._observe("on_step_end", "execute", sched)
-        return out
+        return self._observed("execute", sched, self._execute, sched, previous)
 
     @torch.inference_mode()
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
@@ -252,10 +246,7 @@ class ModelRunner:
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
-        self._observe("on_step_start", "sample", seqs)
-        out = self._sample(logits, seqs, eos_ids)
-        self._observe("on_step_end", "sample", seqs)
-        return out
+        return self._observed("sample", seqs, self._sample, logits, seqs, eos_ids)
 
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
@@ -270,40 +261,32 @@ class ModelRunner:
         ps = [s.request.params for s in seqs]
         n = len(seqs)
 
-        def scatter_mask(pairs: list[tuple[int, int]], dtype) -> torch.Tensor:
-            """[n, vocab] tensor with 1 at (row, token) for each pair (repeats add up)."""
-            t = torch.zeros(n * vocab, dtype=dtype, device=self.device)
+        def scatter_mask(pairs: list[tuple[int, int]]) -> torch.Tensor:
+            """[n, vocab] float32 with 1 at (row, token) for each pair (repeats add up)."""
+            t = torch.zeros(n * vocab, dtype=torch.float32, device=self.device)
             if pairs:
                 flat = to_dev([r * vocab + tok for r, tok in pairs], torch.int64)
-                t.index_add_(0, flat, torch.ones(len(pairs), dtype=dtype, device=self.device))
+                t.index_add_(0, flat, torch.ones(len(pairs), dtype=torch.float32, device=self.device))
             return t.view(n, vocab)
 
         wants_penalty = any(p.presence_penalty or p.frequency_penalty for p in ps)
         wants_repetition = any(p.repetition_penalty != 1.0 for p in ps)
         counts = seen = banned = None
         if wants_penalty or wants_repetition:
-            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids], torch.float32)
+            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids])
         if wants_repetition:
-            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]],
-                                  torch.float32)
+            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]])
             seen = (counts > 0) | (prompt > 0)
         ban = [(i, t) for i, (s, p) in enumerate(zip(seqs, ps)) if s.num_output_tokens < p.min_tokens
                for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
         if ban:
-            banned = scatter_mask(ban, torch.float32) > 0
+            banned = scatter_mask(ban) > 0
+        f32 = {k: to_dev([getattr(p, k) for p in ps], torch.float32) for k in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+        i64 = {"top_k": [p.top_k if p.top_k > 0 else vocab for p in ps], "seeds": [s.seed for s in seqs],
+               "steps": [s.num_output_tokens for s in seqs]}
         return SamplingBatch(
-            temperature=to_dev([p.temperature for p in ps], torch.float32),
-            top_k=to_dev([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64),
-            top_p=to_dev([p.top_p for p in ps], torch.float32),
-            min_p=to_dev([p.min_p for p in ps], torch.float32),
-            seeds=to_dev([s.seed for s in seqs], torch.int64),
-            steps=to_dev([s.num_output_tokens for s in seqs], torch.int64),
-            presence_penalty=to_dev([p.presence_penalty for p in ps], torch.float32),
-            frequency_penalty=to_dev([p.frequency_penalty for p in ps], torch.float32),
-            repetition_penalty=to_dev([p.repetition_penalty for p in ps], torch.float32),
-            output_counts=counts if wants_penalty else None,
-            seen_mask=seen,
-            banned=banned,
+            **f32, **{k: to_dev(v, torch.int64) for k, v in i64.items()},
+            output_counts=counts if wants_penalty else None, seen_mask=seen, banned=banned,
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
-            all_greedy=all(p.temperature == 0 for p in ps),
-        )
+            all_greedy=all(p.temperature == 0 for p in ps))
