@@ -1,23 +1,21 @@
 """CUDA graphs for decode steps.
 
-A batch-1 decode step of an 8B model is ~4 ms of GPU work spread over ~400 kernel launches; run
-eagerly, Python spends about as long launching them as the GPU spends running them, and the GPU
-idles in between. A captured graph replays all of them with one launch.
+A batch-1 decode step of an 8B model is ~4 ms of GPU work in ~400 kernel launches; run eagerly,
+Python spends about as long launching them as the GPU running them, and the GPU idles in between.
+A captured graph replays all of them with one launch.
 
-One graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to max_num_seqs): a step of n
-sequences replays the smallest bucket >= n, its padding rows marked empty (no query, slot -1, so
-they neither read nor write the cache). Graphs replay fixed addresses, so every input lives in a
-static buffer that the step fills in place; the whole step is two host->device copies (one
-int64 and one int32 staging buffer, pinned) and one replay. The logits buffer is static too.
-When the engine launches a step before the previous step's sampled ids reached the host (async
-scheduling), one gather on the device fills the input ids from those ids.
+One graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to max_num_seqs): n sequences
+replay the smallest bucket >= n, its padding rows empty (no query, slot -1: no cache read or
+write). Graphs replay fixed addresses, so every input lives in a static buffer filled in place:
+a step is two host->device copies (pinned int64 and int32 staging) and one replay; the logits
+buffer is static too. When a step is launched before the previous step's sampled ids reached the
+host (async scheduling), one gather on the device fills the input ids from those ids.
 
 The attention kernels' launch parameters (split count, tiles) are fixed at capture for the
-longest context, max_model_len; the split kernel divides each sequence's actual length among
-its splits at run time, so short contexts pay only for empty programs.
-
-With graphs off (`enforce_eager`), decode steps go through the same static buffers and bucket
-padding and run the same kernels eagerly, so graphs on and off give bit-identical outputs.
+longest context, max_model_len; the split kernel divides each sequence's actual length among its
+splits at run time, so short contexts pay only for empty programs. With graphs off
+(`enforce_eager`), decode steps run the same kernels eagerly on the same static buffers and
+padding, so graphs on and off give bit-identical outputs.
 """
 from __future__ import annotations
 
@@ -78,11 +76,9 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], page_tables=self.page_tables[:bs],
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs,
-            max_query_len=1, max_seq_len=self.max_model_len)
+        L = self.max_model_len
+        return AttentionMetadata(self.slots[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
+                                 self.page_tables[:bs], list(range(bs + 1)), [L] * bs, max_query_len=1, max_seq_len=L)
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.layer_caches, self._meta(bs))

@@ -125,22 +125,13 @@ class ModelRunner:
     def decode_inputs(self, sched) -> DecodeInputs | None:
         """The step as a pure decode batch (every sequence adds its one last token and samples),
         or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
-        g = self.decode_graphs
-        if g is None or len(sched.scheduled) > g.max_bs:
+        items, g, ps = sched.scheduled, self.decode_graphs, self.cfg.page_size
+        if g is None or len(items) > g.max_bs or any(
+                i.num_new_tokens != 1 or not i.samples or i.seq.prompt_logprobs is not None for i in items):
             return None
-        bs = self.cfg.page_size
-        step = DecodeInputs([], [], [], [], [])
-        for item in sched.scheduled:
-            seq = item.seq
-            if item.num_new_tokens != 1 or not item.samples or seq.prompt_logprobs is not None:
-                return None
-            p = item.start
-            step.input_ids.append(seq.token_ids[p])
-            step.positions.append(p)
-            step.slots.append(slot_of(seq.page_table, p, bs))
-            step.seq_lens.append(p + 1)
-            step.page_tables.append(seq.page_table)
-        return step
+        return DecodeInputs([i.seq.token_ids[i.start] for i in items], [i.start for i in items],
+                            [slot_of(i.seq.page_table, i.start, ps) for i in items], [i.start + 1 for i in items],
+                            [i.seq.page_table for i in items])
 
     def prepare(self, sched):
         bs = self.cfg.page_size
