@@ -121,7 +121,6 @@ class ModelRunner:
         self.warm_up_seconds = time.perf_counter() - t0
         log.info("prefill warm-up (%d tokens) in %.1f s", n, self.warm_up_seconds)
 
-    # -- batch preparation ----------------------------------------------------------------------
     def decode_inputs(self, sched) -> DecodeInputs | None:
         """The step as a pure decode batch (every sequence adds its one last token and samples),
         or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
@@ -167,8 +166,7 @@ class ModelRunner:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = self.to_device([s for s, _ in copies], torch.int64)
-            dst = self.to_device([d for _, d in copies], torch.int64)
+            src, dst = (self.to_device(list(c), torch.int64) for c in zip(*copies))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
@@ -194,11 +192,9 @@ class ModelRunner:
         out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, rows)))
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
-            if seq.prompt_logprobs is None:
-                continue
             # row r of this chunk (position start + r) predicts the token at position start + r + 1
             last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if last <= item.start:
+            if seq.prompt_logprobs is None or last <= item.start:
                 continue
             row0 = meta.query_start_loc_cpu[i]
             targets = seq.token_ids[item.start + 1:last + 1]
@@ -235,7 +231,6 @@ class ModelRunner:
             done.synchronize()
         return host.tolist()
 
-    # -- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
         return self._observed("sample", seqs, self._sample, logits, seqs, eos_ids)
 
