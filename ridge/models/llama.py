@@ -1,16 +1,13 @@
-"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
-
-One file for the family: the differences are flags on ModelConfig, not copies of the model.
-Module and parameter names follow the HF checkpoints, except the merged projections
-(`qkv_proj`, `gate_up_proj`): `checkpoint_name_map` tells the loader which parameter and shard
-a checkpoint tensor goes to; the parameter's own weight_loader puts it in place.
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), in
+one file: the differences are flags on ModelConfig, not copies of the model. Module and parameter
+names follow the HF checkpoints except the merged projections (`qkv_proj`, `gate_up_proj`):
+`checkpoint_name_map` tells the loader which parameter and shard a checkpoint tensor goes to; the
+parameter's own weight_loader puts it in place.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
 chunks and decode tokens side by side; only attention needs to know where sequences begin.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +65,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
                                    bias=cfg.mlp_bias)
-        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path
-        # (ridge/layers/linear.py)
+        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path (linear.py)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul())
 
     def forward(self, x):
@@ -115,8 +111,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x, residual)[0]
 
     def cost(self, step: StepShape) -> list[OpCost]:
         w, T = self.embed_tokens.weight, step.num_tokens
@@ -149,9 +144,6 @@ class LlamaForCausalLM(nn.Module):
     def cost(self, step: StepShape) -> list[OpCost]:
         """Every op of one step, in order: the layers, the LM head over the rows that sample
         (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
-        if self.cfg.tie_word_embeddings:
-            w = self.model.embed_tokens.weight
-            head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
-        else:
-            head = self.lm_head.cost(replace(step, weights=None), step.sampled_rows, out_bytes=4, name="lm_head")
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

@@ -154,21 +154,3 @@ class DecodeGraphs:
             return self.logits[bs][:n]
         with torch.inference_mode():
             return self._forward(bs)[:n]
-
-    def replay_seconds(self, n: int, iters: int = 20) -> float | None:
-        """GPU time of one replay for n sequences (median of `iters`), using the inputs of the
-        last step but writing no cache slot: how long the step's kernels take with no host in
-        the way. The gap to the measured step time is host overhead."""
-        bs = self.bucket_for(n)
-        if bs not in self.graphs:
-            return None
-        self.slots.fill_(-1)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.graphs[bs].replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]

@@ -1,13 +1,11 @@
 """Owns the model and the KV-cache pool; turns a scheduled step into one flat batch, runs the
-forward pass and samples.
+forward pass and samples. The flat batch: the new tokens of every scheduled sequence end to end
+(token ids, positions, cache slots), plus per sequence its query start, context length and page
+table, built as host lists and moved to the device in one copy each.
 
-The flat batch: the new tokens of every scheduled sequence laid end to end (token ids,
-positions, cache slots), plus per sequence its query start, context length and page table.
-Host-side lists are built first and moved to the device in one copy each.
-
-The runner sits below the engine and imports nothing from it: a step arrives as the scheduler's
-output, read through its fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`,
-`samples`; `page_copies`), and a sequence through `token_ids`, `page_table`, `request.params`.
+The runner sits below the engine and imports nothing from it: a step is read through the
+scheduler output's fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`, `samples`;
+`page_copies`), a sequence through `token_ids`, `page_table`, `request.params`.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
 from ridge.layers.sampler import SamplingBatch, sample
 from ridge.models.loader import load_model
-
 
 log = logging.getLogger("ridge")
 
@@ -61,9 +58,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.warm_up_seconds = 0.0
-        # Pinned landing buffers and events for sampled ids read back without waiting
-        # (tokens_to_host), allocated once: the engine has at most two decode steps' ids in
-        # flight (the one being committed and the one launched ahead), so two, used in turn.
+        # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
+        # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
         self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._landing_turn = 0
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
@@ -105,10 +101,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
-        """Run one throwaway prefill so the first request does not pay for compiling and
-        autotuning the prefill path (seconds on a GPU). The prefill kernel's autotuner times its
-        configs on the first shape it sees and keeps the winner for every later shape, so the
-        warm-up chunk is a typical large one. Slot -1: nothing is written to the cache."""
+        """One throwaway prefill, so the first request does not pay for compiling and autotuning
+        the prefill path (seconds on a GPU). The autotuner keeps the winner on the first shape it
+        sees for every later one, so the chunk is a typical large one. Slot -1: nothing written."""
         if self.device.type != "cuda" or self.backend.name != "triton":
             return
         t0 = time.perf_counter()
@@ -152,11 +147,9 @@ class ModelRunner:
     def metadata(self, slots: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]]):
         """AttentionMetadata of a flat batch from its host lists (query starts: len(seq_lens) + 1)."""
         to_dev = self.to_device
-        return AttentionMetadata(
-            slot_mapping=to_dev(slots, torch.int64), query_start_loc=to_dev(starts, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), page_tables=to_dev(tables, torch.int32),
-            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(seq_lens))
+        return AttentionMetadata(to_dev(slots, torch.int64), to_dev(starts, torch.int32), to_dev(seq_lens, torch.int32),
+                                 to_dev(tables, torch.int32), starts, seq_lens,
+                                 max(b - a for a, b in zip(starts, starts[1:])), max(seq_lens))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Host list -> device tensor through pinned memory, without waiting for the GPU (a copy
@@ -174,12 +167,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
-        for requests that score their prompt.
-
-        `previous` = (sampled ids of the step before, still on the device; for each row of this
-        step the index of its input id in there): the overlapped decode, scheduled before those
-        ids reached the host. Only the static decode path takes its input ids from the device."""
+        """One step's forward: logits of the rows that sample, prompt log-probabilities of requests
+        that score their prompt. `previous` = (the step before's sampled ids, still on the device;
+        each row's index in there): the overlapped decode, scheduled before those ids reached the
+        host. Only the static decode path takes its input ids from the device."""
         self.copy_pages(sched.page_copies)
         decode = self.decode_inputs(sched)
         if decode is not None:
