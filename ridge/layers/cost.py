@@ -57,14 +57,6 @@ class StepShape:
             if not 1 <= q <= c:
                 raise ValueError(f"step shape: need 1 <= query length <= context length, got {q} and {c}")
 
-    @classmethod
-    def prefill(cls, batch: int, prompt_len: int, **kw) -> "StepShape":
-        return cls((prompt_len,) * batch, (prompt_len,) * batch, **kw)
-
-    @classmethod
-    def decode(cls, batch: int, context_len: int, **kw) -> "StepShape":
-        return cls((1,) * batch, (context_len,) * batch, **kw)
-
     num_tokens = property(lambda self: sum(self.query_lens))
     num_seqs = property(lambda self: len(self.query_lens))
     sampled_rows = property(lambda self: self.num_seqs if self.num_sampled is None else self.num_sampled)

@@ -92,6 +92,16 @@ def step_costs(model, step: StepShape) -> list[OpCost]:
     return merge(op_costs(model, step))
 
 
+def prefill_shape(batch: int, prompt_len: int, **kw) -> StepShape:
+    """`batch` whole prompts of `prompt_len` tokens."""
+    return StepShape((prompt_len,) * batch, (prompt_len,) * batch, **kw)
+
+
+def decode_shape(batch: int, context_len: int, **kw) -> StepShape:
+    """`batch` sequences adding one token each, at context `context_len`."""
+    return StepShape((1,) * batch, (context_len,) * batch, **kw)
+
+
 ONE_TOKEN = StepShape((1,), (1,))
 
 

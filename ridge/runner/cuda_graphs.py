@@ -52,9 +52,7 @@ class DecodeGraphs:
                  device: torch.device):
         self.model, self.layer_caches, self.device = model, layer_caches, device
         self.buckets = batch_buckets(max_num_seqs)
-        self.max_bs = self.buckets[-1]
-        self.max_pages = -(-max_model_len // page_size)
-        self.max_model_len = max_model_len
+        self.max_bs, self.max_pages, self.max_model_len = self.buckets[-1], -(-max_model_len // page_size), max_model_len
         B, P = self.max_bs, self.max_pages
         # int64 staging: [input_ids | positions | slots | source rows of ids still on the device];
         # int32: [query_start_loc (B+1) | seq_lens | tables]. Two pinned sets, used in turn: with
@@ -68,8 +66,7 @@ class DecodeGraphs:
         self.dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
-        self.query_start_loc = self.dev32[:B + 1]
-        self.seq_lens = self.dev32[B + 1:2 * B + 1]
+        self.query_start_loc, self.seq_lens = self.dev32[:B + 1], self.dev32[B + 1:2 * B + 1]
         self.page_tables = self.dev32[2 * B + 1:].view(B, P)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -118,14 +115,11 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, step: DecodeInputs, previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
-        """Fill the static inputs for n sequences and replay; returns logits [n, vocab].
-
-        With `previous` = (device tensor of the last step's sampled ids, row of each of this
-        step's inputs in it), the input ids are gathered on the device: the host has not seen
-        them yet (step.input_ids holds placeholders there)."""
-        n = len(step.input_ids)
+        """Fill the static inputs for n sequences and replay; returns logits [n, vocab]. With
+        `previous` = (the last step's sampled ids on the device, each input's row in it), the input
+        ids are gathered on the device: the host has not seen them (step.input_ids: placeholders)."""
+        n, B, P = len(step.input_ids), self.max_bs, self.max_pages
         bs = self.bucket_for(n)
-        B, P = self.max_bs, self.max_pages
         h64, h32, tables = self.host64[self.turn], self.host32[self.turn], self.host_tables[self.turn]
         self.turn ^= 1
         if previous is None:
