@@ -1,10 +1,8 @@
 """The one attention interface the model calls: rotate q and k, write the new K/V into the paged
 cache, then attend over each sequence's pages. The backend is picked once, by device: the
-pure-torch reference on the CPU, ridge's Triton kernels on CUDA where they exist.
-
-Rotary embedding and the cache write are one backend call, `rope_write_kv`: every rotated k is
-written to the cache at once, so the Triton backend does both in one kernel per layer (one
-launch and one inter-kernel gap fewer per layer in a decode step; ridge/kernels/rotary.py).
+pure-torch reference on the CPU, ridge's Triton kernels on CUDA where they exist. Rotary and the
+cache write are one backend call, `rope_write_kv` (every rotated k is written at once), one Triton
+kernel per layer: one launch and one inter-kernel gap fewer per layer in a decode step.
 """
 from __future__ import annotations
 

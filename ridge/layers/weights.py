@@ -1,9 +1,8 @@
-"""How a checkpoint tensor lands in a parameter: each parameter carries its own loader,
-`param.weight_loader(param, loaded, shard_id=None)`, and `param.shard_ids`, the checkpoint tensors
-a merged parameter is built from (None: exactly one). The layer that owns a parameter knows its
-layout - where a shard of a merged QKV sits, and later how INT4 weights are packed, where FP8
-block scales go, which slice a tensor-parallel rank keeps - so that knowledge lives with the
-layer, and the model loader (ridge/models/loader.py) only streams tensors and dispatches them.
+"""Each parameter carries its own loader, `param.weight_loader(param, loaded, shard_id=None)`, and
+`param.shard_ids`, the checkpoint tensors a merged parameter is built from (None: exactly one). The
+layer owning a parameter knows its layout (a merged QKV's shards; later INT4 packing, FP8 block
+scales, a tensor-parallel rank's slice), so the model loader (ridge/models/loader.py) only streams
+tensors and dispatches them by name.
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """Build a model from an HF checkpoint directory: streamed safetensors, or dummy weights.
 
 Parameters are allocated once, uninitialised, on the target device and dtype. With load_format
-"auto" / "safetensors" each checkpoint tensor is then read (memory-mapped, so at most one shard is
-mapped at a time) and handed by name to its parameter's own weight_loader (ridge/layers/weights.py),
-which copies it into place. Nothing is copied twice and no full state dict is built.
-
-With load_format "dummy" (vLLM's name) only config.json is read: every parameter is filled in
-place on the device from a seeded generator, so a model of any size (benchmark shapes, 8B-70B)
-starts in the time it takes to write its weights once, with no checkpoint on disk. Matrices and
-embeddings get normal(0, 0.02) as transformers initialises them, norm weights 1 + normal(0, 0.02).
-Never zeros: a zero weight could let a kernel skip work, or hide a wrong read, that real ones would not.
+"auto" / "safetensors" each checkpoint tensor is then read (memory-mapped, one shard at a time) and
+handed by name to its parameter's own weight_loader (ridge/layers/weights.py), which copies it into
+place: nothing is copied twice, no full state dict is built. With "dummy" (vLLM's name) every
+parameter is filled in place from a seeded generator, so a model of any size (benchmark shapes,
+8B-70B) starts in the time it takes to write its weights once, with no checkpoint on disk:
+normal(0, 0.02) as transformers initialises matrices and embeddings, norm weights 1 + normal(0,
+0.02). Never zeros: a zero weight could let a kernel skip work, or hide a wrong read, that real ones would not.
 """
 from __future__ import annotations
 
@@ -60,10 +58,8 @@ def _param_slot(model: torch.nn.Module, name: str):
 def _checkpoint_name(model, pname: str, shard: str | None) -> str:
     if shard is None:
         return pname
-    inverse = {v: k for k, v in model.checkpoint_name_map.items()}
-    owner, leaf = pname.rsplit(".", 1)
-    parent, merged = owner.rsplit(".", 1)
-    return f"{parent}.{inverse[(merged, shard)]}.{leaf}"
+    parent, merged, leaf = pname.rsplit(".", 2)
+    return f"{parent}.{next(k for k, v in model.checkpoint_name_map.items() if v == (merged, shard))}.{leaf}"
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -95,8 +95,7 @@ class DecodeGraphs:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.logits[bs] = self._forward(bs)
-            pool = g.pool()
-            self.graphs[bs] = g
+            pool, self.graphs[bs] = g.pool(), g
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs),

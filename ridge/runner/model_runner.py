@@ -49,8 +49,7 @@ def _plain_greedy(seq) -> bool:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.device = cfg.device
+        self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
         self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
@@ -205,13 +204,11 @@ class ModelRunner:
             return tokens, None
         n = tokens.numel()
         if not self._landing or self._landing[0][0].numel() < n or self._landing[0][0].dtype != tokens.dtype:
-            size = max(n, self.cfg.max_num_seqs)
-            self._landing = [(torch.empty(size, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event())
-                             for _ in range(2)]
+            self._landing = [(torch.empty(max(n, self.cfg.max_num_seqs), dtype=tokens.dtype, pin_memory=True),
+                              torch.cuda.Event()) for _ in range(2)]
         buf, done = self._landing[self._landing_turn]
         self._landing_turn ^= 1
-        host = buf[:n].view(tokens.shape)
-        host.copy_(tokens, non_blocking=True)
+        host = buf[:n].view(tokens.shape).copy_(tokens, non_blocking=True)
         done.record()
         return host, done
 
@@ -234,9 +231,7 @@ class ModelRunner:
     def sampling_batch(self, seqs: list, vocab: int, eos_ids: list[int]) -> SamplingBatch:
         """Per-row parameters as device tensors. Every host->device copy goes through pinned
         memory without blocking, so building the batch never waits for the GPU."""
-        to_dev = self.to_device
-        ps = [s.request.params for s in seqs]
-        n = len(seqs)
+        to_dev, ps, n = self.to_device, [s.request.params for s in seqs], len(seqs)
 
         def scatter_mask(pairs: list[tuple[int, int]]) -> torch.Tensor:
             """[n, vocab] float32 with 1 at (row, token) for each pair (repeats add up)."""
