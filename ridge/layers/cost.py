@@ -3,14 +3,13 @@ shape and its own weights' precision: FLOPs and the minimum bytes an ideal kerne
 roofline only sums what the model's modules say, so a new layer type brings its cost with it.
 
 Conventions (the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far a kernel
-is from the memory roof): every operand is read once and every result written once, weights once
-per step whatever the token count (why decode is memory-bound); [m, k] x [k, n] is 2*m*n*k FLOPs,
-a bias adds m*n; attention is 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K, P.V),
-softmax left out as in FlashAttention's accounting; integer index tensors are left out.
-
-An op names the module whose forward runs it (`module`, relative to the module that returned it).
-Where several ops name one module, the last is its own and the ones before run inside its forward
-(called from it or fused into its kernel): a measured time of the module belongs to them together.
+is from the memory roof): every operand read once and every result written once, weights once a
+step whatever the token count (why decode is memory-bound); [m, k] x [k, n] is 2*m*n*k FLOPs, a
+bias m*n; attention 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K, P.V), softmax
+left out as in FlashAttention's accounting; integer index tensors left out. An op names the module
+whose forward runs it (`module`, relative to the module that returned it); where several name one
+module, the last is its own and the ones before run inside its forward (called from it or fused
+into its kernel): a measured time of the module belongs to them together.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Linear layers, including merged projections.
-
-QKV and gate/up are each stored as one weight, so one GEMM reads the activations once and the
-weight streams through in one pass. `shards` records where each checkpoint tensor lands inside
-the merged weight; the parameter's weight_loader narrows to it (ridge/layers/weights.py).
+"""Linear layers, including merged projections: QKV and gate/up are each one weight, so one GEMM
+reads the activations once and the weight streams through in one pass. `shards` records where each
+checkpoint tensor lands in it; the parameter's weight_loader narrows to it (ridge/layers/weights.py).
 
 Small batches (decode): with at most GEMV_MAX_ROWS (8) rows of x a projection is a weight stream
 (~2 FLOPs per weight element read): what matters is the fraction of copy bandwidth it reaches, in
@@ -42,10 +40,9 @@ class Linear(nn.Module):
         for name, size in out_sizes.items():
             self.shards[name], offset = (offset, size), offset + size
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(offset, in_features), requires_grad=False),
-                                        self.weight_loader, shard_ids)
-        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset), requires_grad=False),
-                                      self.weight_loader, shard_ids) if bias else None
+        param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
+                                                 self.weight_loader, shard_ids)
+        self.weight, self.bias = param(offset, in_features), param(offset) if bias else None
         self.input_act = input_act
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:

@@ -1,8 +1,6 @@
-"""CUDA graphs for decode steps.
-
-A batch-1 decode step of an 8B model is ~4 ms of GPU work in ~400 kernel launches; run eagerly,
-Python spends about as long launching them as the GPU running them, and the GPU idles in between.
-A captured graph replays all of them with one launch.
+"""CUDA graphs for decode steps. A batch-1 decode step of an 8B model is ~4 ms of GPU work in ~400
+kernel launches; run eagerly, Python spends about as long launching them as the GPU running them,
+and the GPU idles in between. A captured graph replays all of them with one launch.
 
 One graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to max_num_seqs): n sequences
 replay the smallest bucket >= n, its padding rows empty (no query, slot -1: no cache read or
@@ -32,9 +30,7 @@ log = logging.getLogger("ridge")
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
-    if not sizes or sizes[-1] < max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
+    return sizes if sizes and sizes[-1] == max_num_seqs else sizes + [max_num_seqs]
 
 
 @dataclass

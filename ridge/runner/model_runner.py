@@ -59,8 +59,7 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
         # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
-        self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        self._landing_turn = 0
+        self._landing, self._landing_turn = [], 0
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
@@ -86,9 +85,9 @@ class ModelRunner:
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
 
     def setup_decode(self, use_graphs: bool) -> None:
-        """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to.
-        Only with the Triton backend: the torch reference reads host-side lengths that a graph
-        cannot see change. (On a CPU the Triton interpreter runs the same padded static path.)"""
+        """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
+        with the Triton backend (the torch reference reads host-side lengths a graph cannot see
+        change). On a CPU the Triton interpreter runs the same padded static path."""
         if self.backend.name != "triton":
             return
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
@@ -107,9 +106,9 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         n = max(2, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len, 2048))
-        ids = torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device)
-        meta = self.metadata([-1] * n, [0, n], [n], [[0] * -(-n // self.cfg.page_size)])
-        hidden = self.model(ids, torch.arange(n, device=self.device), self.layer_caches, meta)
+        hidden = self.model(torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device),
+                            torch.arange(n, device=self.device), self.layer_caches,
+                            self.metadata([-1] * n, [0, n], [n], [[0] * -(-n // self.cfg.page_size)]))
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         torch.cuda.synchronize(self.device)
         self.warm_up_seconds = time.perf_counter() - t0
