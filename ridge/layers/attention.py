@@ -34,15 +34,11 @@ TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, lambda q, k, v, k_c
                                  paged_attention_ref(q, k_cache, v_cache, meta, scale, window))
 
 
-def triton_supports(head_dim: int) -> bool:
-    """The Triton kernels tile the head dimension as one power-of-two block."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-
-
 def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128) -> AttentionBackend:
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_supports(head_dim))):
+    triton_ok = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0   # tiled as one power-of-two block
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_ok)):
         return TORCH_BACKEND
-    if not triton_supports(head_dim):
+    if not triton_ok:
         raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
                          f"this model has {head_dim}")
     if name in ("auto", "triton"):
@@ -70,10 +66,7 @@ class Attention(nn.Module):
                  sliding_window: int | None, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-        self.sliding_window = sliding_window
-        self.backend = backend
-        self.rotary = rotary
+        self.scale, self.sliding_window, self.backend, self.rotary = head_dim ** -0.5, sliding_window, backend, rotary
 
     def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]."""

@@ -56,8 +56,7 @@ class Linear(nn.Module):
         gemv_path = uses_gemv(x, self.weight)
         act = getattr(self.input_act, "gemv_act", None)
         if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
-            x = self.input_act(x)
-            act = None
+            x, act = self.input_act(x), None
         if gemv_path:
             return gemv(x, self.weight, self.bias, act=act)
         return F.linear(x, self.weight, self.bias)

@@ -40,8 +40,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

@@ -1,10 +1,8 @@
-"""Token sampling for a batch of rows, each with its own parameters.
-
-Randomness is counter-based: the uniform number for (row seed, output index, token id) is a
-hash of the three, so a seeded request draws the same numbers whether it runs alone, in a batch,
-or after a preemption, on the CPU or on the GPU, and no generator state lives anywhere.
-Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i exactly, in one pass and without a cumulative sum.
+"""Token sampling for a batch of rows, each with its own parameters. Randomness is counter-based:
+the uniform number for (row seed, output index, token id) is a hash of the three, so a seeded
+request draws the same numbers alone, in a batch or after a preemption, on the CPU or the GPU, and
+no generator state lives anywhere. Sampling is the exponential race: argmax(p_i / E_i), E_i ~
+Exp(1), picks token i with probability p_i exactly, in one pass and without a cumulative sum.
 """
 from __future__ import annotations
 

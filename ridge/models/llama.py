@@ -37,8 +37,7 @@ class LlamaAttention(nn.Module):
                                bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
 

@@ -108,9 +108,8 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                 if (pname, shard) not in expected:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                      f"(config and checkpoint disagree)")
-                param = params[pname]
                 try:
-                    param.weight_loader(param, f.get_tensor(name), shard)
+                    params[pname].weight_loader(params[pname], f.get_tensor(name), shard)
                 except ValueError as e:
                     raise ValueError(f"model: tensor {name!r} {e}") from None
                 loaded.add((pname, shard))

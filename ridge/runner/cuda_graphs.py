@@ -64,8 +64,7 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
         self.query_start_loc, self.seq_lens = self.dev32[:B + 1], self.dev32[B + 1:2 * B + 1]
         self.page_tables = self.dev32[2 * B + 1:].view(B, P)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs, self.logits = {}, {}          # bucket -> its CUDA graph, its static logits
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:

@@ -43,8 +43,7 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
 
 def _plain_greedy(seq) -> bool:
     p = seq.request.params
-    return (p.temperature == 0 and p.logprobs is None and not p.uses_penalties
-            and seq.num_output_tokens >= p.min_tokens)
+    return p.temperature == 0 and p.logprobs is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens
 
 
 class ModelRunner:
@@ -185,14 +184,11 @@ class ModelRunner:
             last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
             if seq.prompt_logprobs is None or last <= item.start:
                 continue
-            row0 = meta.query_start_loc_cpu[i]
-            targets = seq.token_ids[item.start + 1:last + 1]
-            values = []
+            row0, targets, values = meta.query_start_loc_cpu[i], seq.token_ids[item.start + 1:last + 1], []
             for lo in range(0, len(targets), _SCORE_ROWS):
-                h = hidden[row0 + lo:row0 + min(lo + _SCORE_ROWS, len(targets))]
-                logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                tgt = self.to_device(targets[lo:lo + _SCORE_ROWS], torch.int64)[:, None]
-                values += logp.gather(1, tgt).squeeze(1).tolist()
+                tgt = targets[lo:lo + _SCORE_ROWS]
+                logp = torch.log_softmax(self.model.compute_logits(hidden[row0 + lo:row0 + lo + len(tgt)]), dim=-1)
+                values += logp.gather(1, self.to_device(tgt, torch.int64)[:, None]).squeeze(1).tolist()
             out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
         return out
 
