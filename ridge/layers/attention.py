@@ -81,11 +81,9 @@ class Attention(nn.Module):
         and the new K/V rows. attention: reads Q, writes O, reads each sequence's cached K/V once."""
         H, K, d, w = self.num_heads, self.num_kv_heads, self.head_dim, self.sliding_window
         T, a, c, lens = step.num_tokens, step.act.bytes, step.kv_elt, list(zip(step.query_lens, step.context_lens))
-        q, kv = H * d, K * d
-        written = T * 2 * kv * c
-        read = sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
+        q, kv, table = H * d, K * d, d * self.rotary.cos.element_size()
+        written, read = T * 2 * kv * c, sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
         pairs = sum(attention_pairs(ql, cl, w) for ql, cl in lens)
-        table = d * self.rotary.cos.element_size()
         return [OpCost("rope_kv_write", "elementwise", 3 * T * (H + K) * d,
                        T * (2 * q + 3 * kv) * a + T * table + written, kv_bytes=written, compute=step.act.compute),
                 OpCost("attention", "attention", 4 * H * d * pairs, 2 * T * q * a + read, kv_bytes=read,

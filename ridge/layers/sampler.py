@@ -74,8 +74,7 @@ def filter_probs(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     drop |= (sorted_p.cumsum(-1) - sorted_p) >= b.top_p[:, None]
     drop |= sorted_p < b.min_p[:, None] * sorted_p[:, :1]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch):

@@ -48,8 +48,7 @@ class LlamaAttention(nn.Module):
             (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(positions, q, k, v, kv_cache, meta)
-        return self.o_proj(out.view(-1, cfg.q_size))
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, cfg.q_size))
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))

@@ -74,10 +74,7 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
             model = model_class(cfg.architecture)(cfg, backend, max_position)
     finally:
         torch.set_default_dtype(default)
-    if load_format == "dummy":
-        initialize_dummy_weights(model, seed)
-    else:
-        load_weights(model, path, cfg, show_progress)
+    initialize_dummy_weights(model, seed) if load_format == "dummy" else load_weights(model, path, cfg, show_progress)
     return model.eval()
 
 
@@ -98,23 +95,22 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
     params = dict(model.named_parameters())
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress)
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                pname, shard = _param_slot(model, name)
-                if (pname, shard) not in expected:
-                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
-                                     f"(config and checkpoint disagree)")
-                try:
-                    params[pname].weight_loader(params[pname], f.get_tensor(name), shard)
-                except ValueError as e:
-                    raise ValueError(f"model: tensor {name!r} {e}") from None
-                loaded.add((pname, shard))
-                bar.update(1)
-    bar.close()
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file in checkpoint_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    pname, shard = _param_slot(model, name)
+                    if (pname, shard) not in expected:
+                        raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
+                                         f"(config and checkpoint disagree)")
+                    try:
+                        params[pname].weight_loader(params[pname], f.get_tensor(name), shard)
+                    except ValueError as e:
+                        raise ValueError(f"model: tensor {name!r} {e}") from None
+                    loaded.add((pname, shard))
+                    bar.update(1)
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [_checkpoint_name(model, p, s) for p, s in missing]

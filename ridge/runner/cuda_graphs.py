@@ -78,12 +78,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool (a smaller graph's
-        activations fit in the space of a larger one's). The capture inputs are harmless: one
-        token per row at position 0, slot -1 (nothing written), context length 1."""
-        t0 = time.perf_counter()
-        self.fill_idle()
-        pool = None
+        """Capture every bucket on fill_idle's harmless inputs (fill them first), largest first, all
+        sharing one memory pool (a smaller graph's activations fit in the space of a larger one's)."""
+        t0, pool = time.perf_counter(), None
         for bs in reversed(self.buckets):
             self._forward(bs)                      # compile / autotune outside the capture
             torch.cuda.synchronize(self.device)

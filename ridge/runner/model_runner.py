@@ -53,8 +53,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed)
-        self.kv_cache: torch.Tensor | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+        self.kv_cache, self.decode_graphs = None, None      # set by allocate_kv_cache, setup_decode
         self.warm_up_seconds = 0.0
         # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
         # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
@@ -64,7 +63,6 @@ class ModelRunner:
         self.step_observers: list = []
 
     def _observed(self, phase: str, arg, run, *args):
-        """run(*args) between the observers' on_step_start(phase, arg) and on_step_end(phase, arg)."""
         for o in self.step_observers:
             o.on_step_start(phase, arg)
         out = run(*args)
@@ -91,10 +89,9 @@ class ModelRunner:
             return
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
                                           self.cfg.max_model_len, self.cfg.page_size, self.device)
+        self.decode_graphs.fill_idle()
         if use_graphs and self.device.type == "cuda":
             self.decode_graphs.capture()
-        else:
-            self.decode_graphs.fill_idle()
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
@@ -136,16 +133,14 @@ class ModelRunner:
             seq_lens.append(start + n)
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
-        max_pages = max(len(item.seq.page_table) for item in sched.scheduled)
-        tables = [item.seq.page_table + [0] * (max_pages - len(item.seq.page_table)) for item in sched.scheduled]
-        meta = self.metadata(slots, starts, seq_lens, tables)
+        meta = self.metadata(slots, starts, seq_lens, [item.seq.page_table for item in sched.scheduled])
         return self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta, sample_rows
 
     def metadata(self, slots: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]]):
-        """AttentionMetadata of a flat batch from its host lists (query starts: len(seq_lens) + 1)."""
-        to_dev = self.to_device
+        """AttentionMetadata of a flat batch from host lists (page tables padded with page 0)."""
+        to_dev, width = self.to_device, max(map(len, tables))
         return AttentionMetadata(to_dev(slots, torch.int64), to_dev(starts, torch.int32), to_dev(seq_lens, torch.int32),
-                                 to_dev(tables, torch.int32), starts, seq_lens,
+                                 to_dev([t + [0] * (width - len(t)) for t in tables], torch.int32), starts, seq_lens,
                                  max(b - a for a, b in zip(starts, starts[1:])), max(seq_lens))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -164,10 +159,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        """One step's forward: logits of the rows that sample, prompt log-probabilities of requests
-        that score their prompt. `previous` = (the step before's sampled ids, still on the device;
-        each row's index in there): the overlapped decode, scheduled before those ids reached the
-        host. Only the static decode path takes its input ids from the device."""
+        """One step's forward: logits of the rows that sample, prompt log-probabilities of requests that
+        score their prompt. `previous` = (the last step's sampled ids, still on the device; each row's
+        index in there): the overlapped decode, whose ids have not reached the host (static path only)."""
         self.copy_pages(sched.page_copies)
         decode = self.decode_inputs(sched)
         if decode is not None:
@@ -176,8 +170,7 @@ class ModelRunner:
             raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
-        rows = self.to_device(sample_rows, torch.int64)
-        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, rows)))
+        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, self.to_device(sample_rows, torch.int64))))
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
             # row r of this chunk (position start + r) predicts the token at position start + r + 1
