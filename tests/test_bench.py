@@ -127,7 +127,7 @@ def test_runner_timer_on_cuda_pairs_events_per_step_and_never_synchronises(monke
 
     class FakeRunner:
         step_observers: list = []
-        _observe = ModelRunner._observe
+        _observed = ModelRunner._observed
         execute, sample = ModelRunner.execute, ModelRunner.sample
 
         def _execute(self, sched, previous=None):

@@ -9,8 +9,8 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.roofline.ceilings import Ceilings, load_ceilings
-from ridge.layers.cost import OpCost, StepShape
-from ridge.roofline.costs import op_costs, step_costs
+from ridge.layers.cost import OpCost
+from ridge.roofline.costs import decode_shape, op_costs, prefill_shape, step_costs
 from ridge.roofline.diagnose import BOUND_FRACTION, LABELS, LAUNCH_BOUND_FACTOR, classify, diagnose_step
 from ridge.roofline.measure import instrument_runner
 from ridge.roofline.timeline import StepTiming, Timeline, time_step
@@ -67,9 +67,9 @@ def test_cli_writes_the_four_files(checkpoints, cpu_ceilings, tmp_path, capsys):
 
     assert [(s["name"], s["summary"]["batch"]) for s in data["steps"]] == [("prefill", 1), ("decode", 1), ("decode", 4)]
     cfg = ModelConfig.from_dir(path)
-    for s, shape in zip(data["steps"], [StepShape.prefill(1, 48, dtype=torch.float32),
-                                        StepShape.decode(1, 64, dtype=torch.float32),
-                                        StepShape.decode(4, 64, dtype=torch.float32)]):
+    for s, shape in zip(data["steps"], [prefill_shape(1, 48, dtype=torch.float32),
+                                        decode_shape(1, 64, dtype=torch.float32),
+                                        decode_shape(4, 64, dtype=torch.float32)]):
         summ = s["summary"]
         ops = {r["op"]: r for r in s["ops"]}
         assert list(ops) == TIMED_OPS
@@ -149,7 +149,7 @@ def test_a_new_layer_type_is_timed_by_its_own_cost_name(tiny_llm, roofline_env):
     row (hooks found through cost(), named by it) without any roofline edit."""
     from torch import nn
 
-    from ridge.layers.cost import merge
+    from ridge.roofline.costs import merge
     from ridge.roofline.measure import build_decode, release, time_engine_step
 
     class ToyBlock(nn.Module):
@@ -231,7 +231,7 @@ def test_step_diagnosis_from_known_timings():
              OpCost("tiny", "elementwise", 1e3, 1e3, 0, 0, 50, "bf16")]           # 50 launches
     timing = StepTiming(step_s=40e-3, op_s={"gemm": 11e-3, "copy": 5e-3, "tiny": 50 * 3e-6, "host": 1e-3},
                         calls={"gemm": 1, "copy": 1, "tiny": 50}, kernels={"gemm": 1, "copy": 1, "tiny": 50})
-    s = diagnose_step("decode", StepShape.decode(1, 8), costs, timing, c, 1, 8, 1)
+    s = diagnose_step("decode", decode_shape(1, 8), costs, timing, c, 1, 8, 1)
     rows = {r.op: r for r in s.rows}
     assert rows["gemm"].label == "compute-bound" and rows["gemm"].fraction == pytest.approx(10 / 11)
     assert rows["copy"].label == "memory-bound" and rows["copy"].fraction == pytest.approx(0.8)
@@ -249,7 +249,7 @@ def test_step_diagnosis_from_known_timings():
     # a step with almost no gaps and a GEMM 2 ms above its roof: the GEMM is what to attack
     busy = StepTiming(step_s=18.2e-3, op_s={"gemm": 12e-3, "copy": 5e-3, "tiny": 50 * 3e-6, "host": 1e-3},
                       calls=timing.calls, kernels=timing.kernels)
-    s2 = diagnose_step("prefill", StepShape.prefill(1, 8), costs, busy, c, 1, 8, 8)
+    s2 = diagnose_step("prefill", prefill_shape(1, 8), costs, busy, c, 1, 8, 8)
     assert s2.idle_time_s == pytest.approx(0.05e-3)
     assert s2.label == "compute-bound" and s2.first_target.startswith("attack gemm first")
 
@@ -264,11 +264,11 @@ def test_untimed_fused_op_folds_into_its_hosts(part, hosts, untimed):
     c = fake_ceilings()
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
-    cfg_costs = step_costs(cfg, StepShape.decode(1, 4))
+    cfg_costs = step_costs(cfg, decode_shape(1, 4))
     times = {o.name: 1e-3 for o in cfg_costs if o.name != part}
     if untimed == "zero":
         times[part] = 0.0
-    s = diagnose_step("decode", StepShape.decode(1, 4), cfg_costs,
+    s = diagnose_step("decode", decode_shape(1, 4), cfg_costs,
                       StepTiming(20e-3, times, {}, {}), c, 1, 4, 1)
     rows = {r.op: r for r in s.rows}
     inner = next(o for o in cfg_costs if o.name == part)
@@ -318,7 +318,7 @@ def test_cpu_tiny_op_step_is_launch_bound(cpu_ceilings):
     t = _measure({"tiny": tiny})
     assert t.kernels["tiny"] == 300
     cost = OpCost("tiny", "elementwise", 300, 300 * 8, 0, 0, 300, "fp32")
-    s = diagnose_step("decode", StepShape.decode(1, 2), [cost], t, cpu_ceilings, 1, 2, 1)
+    s = diagnose_step("decode", decode_shape(1, 2), [cost], t, cpu_ceilings, 1, 2, 1)
     assert s.rows[0].label == "launch-bound", (s.rows[0].time_s / 300, cpu_ceilings.launch_overhead)
     assert s.label == "launch-bound"
 
@@ -374,7 +374,7 @@ def test_gpu_tiny_kernel_step_is_launch_bound(gpu_ceilings):
             x.add_(1)
     t = _measure({"tiny": tiny}, device="cuda", reps=5)
     assert abs(t.kernels["tiny"] - 500) <= 1   # a stray kernel of the harness may land in one rep
-    s = diagnose_step("decode", StepShape.decode(1, 2), [OpCost("tiny", "elementwise", 500, 500 * 8, 0, 0, 500, "fp32")], t,
+    s = diagnose_step("decode", decode_shape(1, 2), [OpCost("tiny", "elementwise", 500, 500 * 8, 0, 0, 500, "fp32")], t,
                       gpu_ceilings, 1, 2, 1)
     assert s.rows[0].label == "launch-bound" and s.label == "launch-bound"
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from ridge.config import ModelConfig
-from ridge.layers.cost import StepShape, attention_keys_read, attention_pairs
+from ridge.layers.attention import attention_keys_read, attention_pairs
+from ridge.layers.cost import StepShape
 from ridge.roofline.ceilings import Ceilings
-from ridge.roofline.costs import PRECISIONS, kv_bytes_per_token, parameter_bytes, step_costs, utilization
+from ridge.roofline.costs import (PRECISIONS, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
+                                  step_costs, utilization)
 from ridge.roofline.predict import launch_floor_s, predict, predicted_step_s
 
 OPS = ("embed", "norm", "qkv_proj", "qk_norm", "rope_kv_write", "attention", "o_proj",
@@ -36,7 +38,7 @@ def by_name(costs):
 
 def test_decode_step_by_hand():
     """Batch 2 decode at context 10, bf16 (2 bytes for weights, activations and KV)."""
-    c = by_name(step_costs(small_cfg(), StepShape.decode(2, 10)))
+    c = by_name(step_costs(small_cfg(), decode_shape(2, 10)))
     assert list(c) == [o for o in OPS if o != "qk_norm"]
     # T = 2 tokens, N = 2 sampled rows, h = 64, I = 128, q = 64, kv = 32, d = 16, L = 2, V = 512
     expected = {
@@ -74,34 +76,34 @@ def test_decode_step_by_hand():
 
 def test_prefill_and_precisions_by_hand():
     cfg = small_cfg()
-    c = by_name(step_costs(cfg, StepShape.prefill(1, 8)))
+    c = by_name(step_costs(cfg, prefill_shape(1, 8)))
     # causal: 1 + 2 + ... + 8 = 36 pairs; K/V of 8 tokens read once; only the last row samples
     assert c["attention"].flops == 2 * 4 * 4 * 16 * 36
     assert c["attention"].bytes == 2 * (2 * 8 * 64 * 2 + 8 * 2 * 32 * 2)
     assert c["lm_head"].flops == 2 * 1 * 64 * 512
     assert c["qkv_proj"].flops == 2 * 2 * 8 * 64 * 128
     # INT4 weights (group 128, 16-bit scale): 0.515625 bytes a weight; the LM head stays 16-bit
-    i4 = by_name(step_costs(cfg, as_("int4", StepShape.decode(1, 4))))
+    i4 = by_name(step_costs(cfg, as_("int4", decode_shape(1, 4))))
     assert i4["down_proj"].param_bytes == 2 * 128 * 64 * (0.5 + 2 / 128)
     assert i4["lm_head"].param_bytes == 512 * 64 * 2 and i4["lm_head"].compute == "bf16"
     # FP8 KV: the attention's cache reads and the KV write's stores halve
-    f8 = by_name(step_costs(cfg, as_("fp8-kv", StepShape.decode(1, 4))))
+    f8 = by_name(step_costs(cfg, as_("fp8-kv", decode_shape(1, 4))))
     assert f8["attention"].kv_bytes == 4 * 2 * 32 * 1 * 2
     assert f8["rope_kv_write"].bytes == 2 * (1 * (128 + 96) * 2 + 16 * 4 + 1 * 64 * 1)
-    fp8 = by_name(step_costs(cfg, as_("fp8", StepShape.decode(1, 4))))
+    fp8 = by_name(step_costs(cfg, as_("fp8", decode_shape(1, 4))))
     assert fp8["o_proj"].compute == "fp8" and fp8["o_proj"].param_bytes == 2 * 64 * 64 * (1 + 4 / 128 ** 2)
     # random sampling: 10 FLOPs a logit
-    r = by_name(step_costs(cfg, StepShape.decode(3, 4, greedy=False)))
+    r = by_name(step_costs(cfg, decode_shape(3, 4, greedy=False)))
     assert r["sampling"].flops == 10 * 3 * 512
 
 
 def test_biases_and_qk_norm_by_hand():
     cfg = small_cfg(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, head_dim=16)
-    c = by_name(step_costs(cfg, StepShape.decode(1, 4)))
+    c = by_name(step_costs(cfg, decode_shape(1, 4)))
     # per layer: q_norm over 4 heads, k_norm over 2 heads, rows of 16: 4 FLOPs an element
     assert c["qk_norm"].flops == 2 * 4 * 6 * 16 and c["qk_norm"].calls == 4
     assert c["qk_norm"].bytes == 2 * (2 * 6 * 16 * 2 + 2 * 16 * 2)
-    q2 = by_name(step_costs(small_cfg(architectures=["Qwen2ForCausalLM"]), StepShape.decode(1, 4)))
+    q2 = by_name(step_costs(small_cfg(architectures=["Qwen2ForCausalLM"]), decode_shape(1, 4)))
     assert q2["qkv_proj"].flops == 2 * (2 * 64 * 128 + 128)          # bias: one add per output
     assert q2["qkv_proj"].param_bytes == 2 * (64 * 128 + 128) * 2
 
@@ -134,7 +136,7 @@ def test_parameter_bytes_match_the_checkpoint(checkpoints, arch):
                     for s in shape:
                         n *= s
                     numel += n
-    fp32 = StepShape.decode(1, 8, dtype=torch.float32)
+    fp32 = decode_shape(1, 8, dtype=torch.float32)
     assert parameter_bytes(cfg, fp32) == 4 * numel
     # a decode step reads every parameter once, except the rows of the embedding table it does
     # not look up (when the LM head does not share that table)
@@ -160,7 +162,7 @@ def fake_ceilings(bandwidth=1e12, bf16=100e12, fp8=200e12, fp32=50e12, launch=5e
 def test_prediction_and_utilization_by_hand():
     cfg = small_cfg()
     ceil = fake_ceilings()
-    shape = StepShape.decode(2, 10)
+    shape = decode_shape(2, 10)
     costs = step_costs(cfg, shape)
     floor = sum(max(c.flops / ceil.peak(c.compute), c.bytes / ceil.bandwidth) for c in costs)
     assert predicted_step_s(cfg, ceil, shape) == pytest.approx(floor)
@@ -231,7 +233,7 @@ def test_8b_decode_step_is_parameters_plus_kv_by_hand():
     assert parameter_bytes(cfg) == params == pytest.approx(16.06e9, rel=1e-3)
     kv_read = 4096 * L * 2 * kv * 2
     assert kv_bytes_per_token(cfg) == L * 2 * kv * 2 == 131072
-    costs = step_costs(cfg, StepShape.decode(1, 4096))
+    costs = step_costs(cfg, decode_shape(1, 4096))
     assert sum(c.param_bytes for c in costs) == params - 2 * (V - 1) * h
     assert sum(c.kv_bytes for c in costs) == kv_read + kv_bytes_per_token(cfg)      # read 4096, write 1
     nbytes = sum(c.bytes for c in costs)
@@ -275,7 +277,7 @@ def test_a_new_layer_type_brings_its_cost_with_it():
                 OpCost("experts", "gemm", 2 * 2 * T * h * h, read + 2 * T * h * 2 * step.act.bytes, read)]
 
     cfg = small_cfg()
-    step = StepShape.decode(1, 8)
+    step = decode_shape(1, 8)
     model = meta_llama(cfg)
     before = by_name(step_costs(model, step))
     with torch.device("meta"):

@@ -1,9 +1,8 @@
 """SiLU-and-mul for gated MLPs: input [.., 2*I] = [gate | up] from the merged gate/up GEMM.
 
-A module, so that the projection it feeds owns it (`Linear(..., input_act=SiluAndMul())`): at
-one row on CUDA the down projection's GEMV computes it inside its K loop (no activation kernel,
-no [1, I] round trip); otherwise it runs here first - the fused Triton kernel
-(ridge/kernels/silu_mul.py) on CUDA, the torch reference on the CPU.
+A module, so that the projection it feeds owns it (`Linear(..., input_act=SiluAndMul())`): at one
+row on CUDA the down projection's GEMV computes it inside its K loop (no activation kernel, no
+[1, I] round trip); otherwise it runs here first (ridge/kernels/silu_mul.py, or the torch reference).
 """
 from __future__ import annotations
 

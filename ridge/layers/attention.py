@@ -1,10 +1,8 @@
 """The one attention interface the model calls: rotate q and k, write the new K/V into the paged
 cache, then attend over each sequence's pages. The backend is picked once, by device: the
-pure-torch reference on the CPU, ridge's Triton kernels on CUDA where they exist.
-
-Rotary embedding and the cache write are one backend call, `rope_write_kv`: every rotated k is
-written to the cache at once, so the Triton backend does both in one kernel per layer (one
-launch and one inter-kernel gap fewer per layer in a decode step; ridge/kernels/rotary.py).
+pure-torch reference on the CPU, ridge's Triton kernels on CUDA where they exist. Rotary and the
+cache write are one backend call, `rope_write_kv` (every rotated k is written at once), one Triton
+kernel per layer: one launch and one inter-kernel gap fewer per layer in a decode step.
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from ridge.kernels.attention_ref import paged_attention_ref
 from ridge.kernels.attention_triton import triton_paged_attention
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
-from ridge.layers.cost import OpCost, StepShape, attention_keys_read, attention_pairs
+from ridge.layers.cost import OpCost, StepShape
 
 
 @dataclass(frozen=True)
@@ -31,23 +29,16 @@ class AttentionBackend:
     attend: Callable
 
 
-def _torch_attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
-    """The reference reads every key, new ones included, back from the cache: the oracle."""
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
-
-
-TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, _torch_attend)
-
-
-def triton_supports(head_dim: int) -> bool:
-    """The Triton kernels tile the head dimension as one power-of-two block."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+# the reference reads every key, new ones included, back from the cache: the oracle
+TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, lambda q, k, v, k_cache, v_cache, meta, scale, window=None:
+                                 paged_attention_ref(q, k_cache, v_cache, meta, scale, window))
 
 
 def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128) -> AttentionBackend:
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_supports(head_dim))):
+    triton_ok = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0   # tiled as one power-of-two block
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_ok)):
         return TORCH_BACKEND
-    if not triton_supports(head_dim):
+    if not triton_ok:
         raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
                          f"this model has {head_dim}")
     if name in ("auto", "triton"):
@@ -55,15 +46,27 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
 
 
+def attention_pairs(query_len: int, context_len: int, window: int | None = None) -> int:
+    """(query row, key) pairs of one sequence under the causal mask: the row at position p sees
+    keys max(0, p - window + 1) .. p, i.e. min(p + 1, window) of them."""
+    lo, hi = context_len - query_len + 1, context_len          # keys seen by the first / last row
+    if window is None or hi <= window:
+        return (lo + hi) * query_len // 2
+    m = min(lo, window + 1)                                    # rows under the window see m .. window
+    return (m + window) * (window - m + 1) // 2 + window * (hi - max(lo, window + 1) + 1)
+
+
+def attention_keys_read(query_len: int, context_len: int, window: int | None = None) -> int:
+    """Distinct cached keys a sequence's rows read (the union of their windows)."""
+    return context_len if window is None else min(context_len, query_len + window - 1)
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-        self.sliding_window = sliding_window
-        self.backend = backend
-        self.rotary = rotary
+        self.scale, self.sliding_window, self.backend, self.rotary = head_dim ** -0.5, sliding_window, backend, rotary
 
     def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]."""
@@ -76,13 +79,11 @@ class Attention(nn.Module):
         """rope_kv_write: q*cos + rotate(q)*sin, 3 FLOPs an element of q and k; reads q, k, v and the
         cos/sin tables (head_dim/2 distinct values of each a position), writes the rotated q and k
         and the new K/V rows. attention: reads Q, writes O, reads each sequence's cached K/V once."""
-        H, K, d, a, c = self.num_heads, self.num_kv_heads, self.head_dim, step.act.bytes, step.kv_elt
-        T, q, kv, w = step.num_tokens, self.num_heads * d, self.num_kv_heads * d, self.sliding_window
-        lens = list(zip(step.query_lens, step.context_lens))
-        written = T * 2 * kv * c
-        read = sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
+        H, K, d, w = self.num_heads, self.num_kv_heads, self.head_dim, self.sliding_window
+        T, a, c, lens = step.num_tokens, step.act.bytes, step.kv_elt, list(zip(step.query_lens, step.context_lens))
+        q, kv, table = H * d, K * d, d * self.rotary.cos.element_size()
+        written, read = T * 2 * kv * c, sum(attention_keys_read(ql, cl, w) for ql, cl in lens) * 2 * kv * c
         pairs = sum(attention_pairs(ql, cl, w) for ql, cl in lens)
-        table = d * self.rotary.cos.element_size()
         return [OpCost("rope_kv_write", "elementwise", 3 * T * (H + K) * d,
                        T * (2 * q + 3 * kv) * a + T * table + written, kv_bytes=written, compute=step.act.compute),
                 OpCost("attention", "attention", 4 * H * d * pairs, 2 * T * q * a + read, kv_bytes=read,

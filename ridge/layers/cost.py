@@ -1,33 +1,26 @@
-"""What a layer costs in one step: FLOPs and the minimum bytes an ideal kernel moves, stated by the
-layer itself from the batch's shape and the precision of its own weights (`Module.cost(step)`).
-The roofline only sums what the model's modules say, so a new layer type (a quantised linear, an
-MoE block) brings its cost with it.
+"""What a layer costs in one step, stated by the layer itself (`Module.cost(step)`) from the batch's
+shape and its own weights' precision: FLOPs and the minimum bytes an ideal kernel moves. The
+roofline only sums what the model's modules say, so a new layer type brings its cost with it.
 
-Conventions (each the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far a
-kernel is from the memory roof):
-  - every operand is read once and every result written once; weights are read once per step
-    whatever the token count (they are why decode is memory-bound);
-  - a matrix product [m, k] x [k, n] is 2*m*n*k FLOPs; a bias adds m*n;
-  - attention is 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K and P.V), softmax
-    left out as in FlashAttention's own accounting;
-  - integer index tensors (ids, positions, slots, page tables) are left out.
-
-An op names the module whose forward runs it (`module`, a path relative to the module that
-returned it). Where several ops name one module, the last is the module's own and the ones before
-run inside its forward (called from it or fused into its kernel): a measured time of the module
-belongs to them together.
+Conventions (the ideal kernel's traffic, so that time / (bytes / bandwidth) says how far a kernel
+is from the memory roof): every operand read once and every result written once, weights once a
+step whatever the token count (why decode is memory-bound); [m, k] x [k, n] is 2*m*n*k FLOPs, a
+bias m*n; attention 4 * head_dim FLOPs per (query head, query row, key) pair (Q.K, P.V), softmax
+left out as in FlashAttention's accounting; integer index tensors left out. An op names the module
+whose forward runs it (`module`, relative to the module that returned it); where several name one
+module, the last is its own and the ones before run inside its forward (called from it or fused
+into its kernel): a measured time of the module belongs to them together.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass(frozen=True)
 class Precision:
-    """How a tensor is stored: bytes an element (scales included) and the matrix ceiling its
-    products run against."""
+    """Storage: bytes an element (scales included), and the matrix ceiling its products run on."""
     name: str
     bytes: float
     compute: str
@@ -46,9 +39,8 @@ def precision_of(dtype: torch.dtype) -> Precision:
 @dataclass(frozen=True)
 class StepShape:
     """One flat batch: per sequence its new tokens this step and its context length after it.
-    `dtype` is the activations' (and by default the KV cache's); `kv_bytes` overrides the KV
-    cache's bytes an element and `weights` the storage of the projections' weights, for
-    predictions of formats the model is not loaded in."""
+    `dtype` is the activations' (and by default the KV cache's); `kv_bytes` (KV bytes an element)
+    and `weights` (the projections' storage) are what-ifs for formats the model is not loaded in."""
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     num_sampled: int | None = None       # rows that compute logits (default: one per sequence)
@@ -63,14 +55,6 @@ class StepShape:
         for q, c in zip(self.query_lens, self.context_lens):
             if not 1 <= q <= c:
                 raise ValueError(f"step shape: need 1 <= query length <= context length, got {q} and {c}")
-
-    @classmethod
-    def prefill(cls, batch: int, prompt_len: int, **kw) -> "StepShape":
-        return cls((prompt_len,) * batch, (prompt_len,) * batch, **kw)
-
-    @classmethod
-    def decode(cls, batch: int, context_len: int, **kw) -> "StepShape":
-        return cls((1,) * batch, (context_len,) * batch, **kw)
 
     num_tokens = property(lambda self: sum(self.query_lens))
     num_seqs = property(lambda self: len(self.query_lens))
@@ -93,11 +77,6 @@ class OpCost:
     compute: str = "bf16"     # the matrix ceiling its FLOPs are held against
     module: str = ""          # the module whose forward runs it (see the module docstring)
 
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte."""
-        return self.flops / self.bytes if self.bytes else float("inf")
-
 
 def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCost]:
     """A child module's costs as its parent states them (the list is the child's fresh one, so it
@@ -108,53 +87,11 @@ def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCos
     return costs
 
 
-def merge(costs: list[OpCost]) -> list[OpCost]:
-    """One op per name (first-seen order), FLOPs, bytes and calls summed; the first one's module."""
-    out: dict[str, OpCost] = {}
-    for c in costs:
-        o = out.get(c.name)
-        if o is None:
-            out[c.name] = replace(c)
-        else:
-            o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
-            o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
-    return list(out.values())
-
-
-def total(costs: list[OpCost]) -> tuple[float, float]:
-    return sum(c.flops for c in costs), sum(c.bytes for c in costs)
-
-
 def gemm_cost(name: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, w: Precision,
               step: StepShape, out_bytes: float | None = None) -> OpCost:
     """x [rows, k] @ weight[n, k]^T (+ bias), the weight stored as `w`."""
-    n, k = weight.shape
-    a = step.act.bytes
+    (n, k), a = weight.shape, step.act.bytes
     params = n * k * w.bytes + (n * bias.element_size() if bias is not None else 0)
     flops = 2 * rows * n * k + (rows * n if bias is not None else 0)
     return OpCost(name, "gemm", flops, params + rows * k * a + rows * n * (a if out_bytes is None else out_bytes),
                   params, compute=w.compute)
-
-
-def embedding_cost(name: str, weight: torch.Tensor, step: StepShape) -> OpCost:
-    """One table row read and written per token."""
-    row = weight.shape[1] * weight.element_size()
-    return OpCost(name, "embedding", 0, 2 * step.num_tokens * row, step.num_tokens * row, compute=step.act.compute)
-
-
-def attention_pairs(query_len: int, context_len: int, window: int | None = None) -> int:
-    """(query row, key) pairs of one sequence under the causal mask: row at position p sees keys
-    max(0, p - window + 1) .. p, i.e. min(p + 1, window) of them."""
-    lo, hi = context_len - query_len + 1, context_len          # keys seen by the first / last row
-    if window is None or hi <= window:
-        return (lo + hi) * query_len // 2
-    total_pairs = 0
-    top = min(hi, window)
-    if lo <= top:
-        total_pairs += (lo + top) * (top - lo + 1) // 2
-    return total_pairs + window * (hi - max(lo, window + 1) + 1)
-
-
-def attention_keys_read(query_len: int, context_len: int, window: int | None = None) -> int:
-    """Distinct cached keys a sequence's rows read (the union of their windows)."""
-    return context_len if window is None else min(context_len, query_len + window - 1)

@@ -1,22 +1,18 @@
-"""Linear layers, including merged projections.
+"""Linear layers, including merged projections: QKV and gate/up are each one weight, so one GEMM
+reads the activations once and the weight streams through in one pass. `shards` records where each
+checkpoint tensor lands in it; the parameter's weight_loader narrows to it (ridge/layers/weights.py).
 
-QKV and gate/up are each stored as one weight, so one GEMM reads the activations once and the
-weight matrix streams through in one pass. `shards` records where each checkpoint tensor lands
-inside the merged weight; the parameter's weight_loader narrows to it (ridge/layers/weights.py).
+Small batches (decode): with at most GEMV_MAX_ROWS (8) rows of x a projection is a weight stream
+(~2 FLOPs per weight element read): what matters is the fraction of copy bandwidth it reaches, in
+as few launches as possible. cuBLAS picks split-K kernels there (two launches, partials + reduce,
+for o_proj and down_proj) and falls well short of copy bandwidth on the square projections, so on
+CUDA such inputs go to ridge's one-launch GEMV (ridge/kernels/gemv.py); the rest to F.linear.
 
-Small batches (decode): with at most GEMV_MAX_ROWS (8) rows of x, a projection is a weight
-stream - ~2 FLOPs per weight element read - and what matters is the fraction of copy bandwidth
-it reaches in as few launches as possible. There cuBLAS picks split-K kernels: two launches
-(partials + reduce) for o_proj and down_proj, and well short of copy bandwidth on the square
-projections. So on CUDA such inputs go to ridge's one-launch GEMV (ridge/kernels/gemv.py);
-everything else, and every CPU tensor, goes to F.linear.
-
-`input_act` (e.g. SiluAndMul for the down projection) is applied to x first. For a single row
-on the GEMV path it is fused into the GEMV's K loop instead (no activation kernel, no [1, K]
-round trip), where the activation names a GEMV act (`gemv_act`). The fusion pays only on the
-M = 1 FMA path: at M = 2-8 the GEMV's tensor-core path recomputes the activation per tile and
-loses to the separate kernel (benchmarks/gemv.py). It is the same function on every path; only
-the kernels (and fp32 summation order) differ.
+`input_act` (e.g. SiluAndMul for the down projection) is applied to x first, or, for a single row
+on the GEMV path, fused into the GEMV's K loop (no activation kernel, no [1, K] round trip) where
+the activation names a GEMV act (`gemv_act`). The fusion pays only on the M = 1 FMA path: at M =
+2-8 the GEMV's tensor-core path recomputes the activation per tile and loses to the separate
+kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summation order differs.
 """
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
-from ridge.layers.weights import copy_checked, set_weight_loader
+from ridge.layers.weights import default_weight_loader, set_weight_loader
 from ridge.layers.cost import OpCost, Precision, StepShape, gemm_cost, precision_of
 
 
@@ -38,47 +34,41 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: dict[str, int] | int, bias: bool = False,
                  input_act: nn.Module | None = None):
         super().__init__()
-        if isinstance(out_sizes, int):
-            out_sizes = {"": out_sizes}
-        self.shards: dict[str, tuple[int, int]] = {}
+        out_sizes = {"": out_sizes} if isinstance(out_sizes, int) else out_sizes
+        self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows)
         offset = 0
         for name, size in out_sizes.items():
-            self.shards[name] = (offset, size)
-            offset += size
+            self.shards[name], offset = (offset, size), offset + size
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(offset, in_features), requires_grad=False),
-                                        self.weight_loader, shard_ids)
-        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset), requires_grad=False),
-                                      self.weight_loader, shard_ids) if bias else None
+        param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
+                                                 self.weight_loader, shard_ids)
+        self.weight, self.bias = param(offset, in_features), param(offset) if bias else None
         self.input_act = input_act
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy a checkpoint tensor into param, or into its rows for shard_id of a merged layer."""
         if (shard_id is None) != (param.shard_ids is None) or (shard_id is not None and shard_id not in self.shards):
             raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
-        target = param.data
-        if shard_id is not None:
-            offset, size = self.shards[shard_id]
-            target = target.narrow(0, offset, size)
-        copy_checked(target, loaded)
+        default_weight_loader(param if shard_id is None else param.data.narrow(0, *self.shards[shard_id]), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """input_act(x) @ weight^T (+ bias)."""
         gemv_path = uses_gemv(x, self.weight)
         act = getattr(self.input_act, "gemv_act", None)
         if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
-            x = self.input_act(x)
-            act = None
+            x, act = self.input_act(x), None
         if gemv_path:
             return gemv(x, self.weight, self.bias, act=act)
         return F.linear(x, self.weight, self.bias)
 
     def weight_precision(self, step: StepShape) -> Precision:
-        """How the weight is stored: as its dtype, or the step's what-if format (a quantised Linear
-        states its own)."""
+        """Its dtype, or the step's what-if format (a quantised Linear states its own)."""
         return step.weights or precision_of(self.weight.dtype)
 
-    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None) -> list[OpCost]:
-        """One GEMM over `rows` (default: every token of the step); `out_bytes` an output element."""
-        return [gemm_cost("linear", step.num_tokens if rows is None else rows, self.weight, self.bias,
-                          self.weight_precision(step), step, out_bytes)]
+    def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
+             name: str = "linear") -> list[OpCost]:
+        """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
+        the input activation's ops first (they run inside this forward, or inside the GEMV)."""
+        act = self.input_act.cost(step, self.weight.shape[1]) if self.input_act is not None else []
+        return act + [gemm_cost(name, step.num_tokens if rows is None else rows, self.weight, self.bias,
+                                self.weight_precision(step), step, out_bytes)]

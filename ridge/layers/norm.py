@@ -1,11 +1,10 @@
 """RMSNorm, with the residual add folded in.
 
-`forward(x, residual)` returns `(norm(x + residual), x + residual)`: the decoder's two
-"add residual, then normalise" points become one call, which on CUDA the fused Triton kernel
-(ridge/kernels/rmsnorm.py) serves with one read of x and residual and one write of each output;
-on the CPU its torch reference serves it. The arithmetic follows transformers (normalise in
-float32, scale in the input dtype) so float32 logits match it to rounding; the kernel rounds at
-the same points.
+`forward(x, residual)` returns `(norm(x + residual), x + residual)`: the decoder's two "add
+residual, then normalise" points become one call, which the fused Triton kernel
+(ridge/kernels/rmsnorm.py) serves with one read of x and residual and one write of each output.
+The arithmetic follows transformers (normalise in float32, scale in the input dtype) so float32
+logits match it to rounding; the kernel rounds at the same points.
 """
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class RMSNorm(nn.Module):
              residual_out: bool = True) -> list[OpCost]:
         """x*x, accumulate, scale by 1/rms, by the weight: 4 FLOPs an element, +1 for the residual
         add; reads x (and the residual), writes the output (and the sum, unless never read)."""
-        n = (step.num_tokens if rows is None else rows) * self.weight.shape[0]
+        n, params = (step.num_tokens if rows is None else rows) * self.weight.shape[0], self.weight.nbytes
         moved = 2 + (1 + residual_out if residual else 0)
-        params = self.weight.numel() * self.weight.element_size()
         return [OpCost("norm", "elementwise", (4 + residual) * n, moved * n * step.act.bytes + params, params,
                        compute=step.act.compute)]

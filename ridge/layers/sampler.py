@@ -1,10 +1,8 @@
-"""Token sampling for a batch of rows, each with its own parameters.
-
-Randomness is counter-based: the uniform number for (row seed, output index, token id) is a
-hash of the three, so a seeded request draws the same numbers whether it runs alone, in a batch,
-or after a preemption, on the CPU or on the GPU, and no generator state lives anywhere.
-Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i exactly, in one pass and without a cumulative sum.
+"""Token sampling for a batch of rows, each with its own parameters. Randomness is counter-based:
+the uniform number for (row seed, output index, token id) is a hash of the three, so a seeded
+request draws the same numbers alone, in a batch or after a preemption, on the CPU or the GPU, and
+no generator state lives anywhere. Sampling is the exponential race: argmax(p_i / E_i), E_i ~
+Exp(1), picks token i with probability p_i exactly, in one pass and without a cumulative sum.
 """
 from __future__ import annotations
 
@@ -76,22 +74,18 @@ def filter_probs(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     drop |= (sorted_p.cumsum(-1) - sorted_p) >= b.top_p[:, None]
     drop |= sorted_p < b.min_p[:, None] * sorted_p[:, :1]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch):
-    """logits [N, V] float32 -> (token ids [N], logprob info or None).
-
-    Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
-    reports them: for each row, the sampled token's log-probability and rank, and the top-k.
-    """
-    raw = logits
-    logits = apply_penalties(logits, b)
+    """logits [N, V] float32 -> (token ids [N], logprob info or None). Logprobs are of the raw
+    distribution (before penalties and temperature), as vLLM reports them: for each row, the
+    sampled token's log-probability and rank, and the top-k."""
+    raw, logits = logits, apply_penalties(logits, b)
     greedy = b.temperature == 0
     tokens = logits.argmax(dim=-1)
-    # The host knows whether every row is greedy; asking the device would stall the host until
-    # the forward pass finishes, and then nothing overlaps with the GPU.
+    # the host knows whether every row is greedy; asking the device would stall the host until
+    # the forward pass finishes, and then nothing overlaps with the GPU
     all_greedy = b.all_greedy if b.all_greedy is not None else bool(greedy.all())
     if not all_greedy:
         temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
@@ -99,14 +93,13 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
         noise = -torch.log(uniform_noise(b.seeds, b.steps, logits.shape[-1]))
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
-    info = None
-    if b.max_logprobs >= 0:
-        logp = torch.log_softmax(raw, dim=-1)
-        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        rank = (logp > chosen[:, None]).sum(-1) + 1
-        top_v, top_i = logp.topk(b.max_logprobs, dim=-1) if b.max_logprobs else (None, None)
-        info = (chosen, rank, top_v, top_i)
-    return tokens, info
+    if b.max_logprobs < 0:
+        return tokens, None
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    rank = (logp > chosen[:, None]).sum(-1) + 1
+    top_v, top_i = logp.topk(b.max_logprobs, dim=-1) if b.max_logprobs else (None, None)
+    return tokens, (chosen, rank, top_v, top_i)
 
 
 def sampling_cost(step: StepShape, vocab: int) -> OpCost:

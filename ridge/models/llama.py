@@ -1,16 +1,13 @@
-"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
-
-One file for the family: the differences are flags on ModelConfig, not copies of the model.
-Module and parameter names follow the HF checkpoints, except the merged projections
-(`qkv_proj`, `gate_up_proj`): `checkpoint_name_map` tells the loader which parameter and shard
-a checkpoint tensor goes to; the parameter's own weight_loader puts it in place.
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), in
+one file: the differences are flags on ModelConfig, not copies of the model. Module and parameter
+names follow the HF checkpoints except the merged projections (`qkv_proj`, `gate_up_proj`):
+`checkpoint_name_map` tells the loader which parameter and shard a checkpoint tensor goes to; the
+parameter's own weight_loader puts it in place.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
 chunks and decode tokens side by side; only attention needs to know where sequences begin.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +17,7 @@ from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.activation import SiluAndMul
 from ridge.layers.attention import Attention, AttentionBackend
-from ridge.layers.cost import OpCost, StepShape, child, embedding_cost, gemm_cost, precision_of
+from ridge.layers.cost import OpCost, StepShape, child, gemm_cost, precision_of
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
@@ -28,13 +25,8 @@ from ridge.layers.sampler import sampling_cost
 from ridge.layers.weights import set_weight_loader
 
 # checkpoint projection name -> (ridge merged module, shard)
-CHECKPOINT_NAME_MAP = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+CHECKPOINT_NAME_MAP = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
 class LlamaAttention(nn.Module):
@@ -45,29 +37,25 @@ class LlamaAttention(nn.Module):
                                bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (t.view(-1, n, cfg.head_dim) for t, n in zip(
+            self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1),
+            (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(positions, q, k, v, kv_cache, meta)
-        return self.o_proj(out.view(-1, cfg.q_size))
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, cfg.q_size))
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        out = child("qkv_proj", self.qkv_proj.cost(step), "qkv_proj")
+        out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))
         if self.cfg.qk_norm:
-            T = step.num_tokens
-            out += child("q_norm", self.q_norm.cost(step, T * self.cfg.num_heads), "qk_norm")
-            out += child("k_norm", self.k_norm.cost(step, T * self.cfg.num_kv_heads), "qk_norm")
-        return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step), "o_proj")
+            out += [c for n, h in (("q_norm", self.cfg.num_heads), ("k_norm", self.cfg.num_kv_heads))
+                    for c in child(n, getattr(self, n).cost(step, step.num_tokens * h), "qk_norm")]
+        return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step, name="o_proj"))
 
 
 class LlamaMLP(nn.Module):
@@ -75,18 +63,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
                                    bias=cfg.mlp_bias)
-        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path
-        # (ridge/layers/linear.py)
+        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path (linear.py)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul())
 
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x))
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        # the activation runs inside down_proj's forward (or its GEMV): charged to down_proj
-        act = self.down_proj.input_act.cost(step, self.down_proj.weight.shape[1])
-        return (child("gate_up_proj", self.gate_up_proj.cost(step), "gate_up_proj") + child("down_proj", act)
-                + child("down_proj", self.down_proj.cost(step), "down_proj"))
+        return (child("gate_up_proj", self.gate_up_proj.cost(step, name="gate_up_proj"))
+                + child("down_proj", self.down_proj.cost(step, name="down_proj")))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,11 +83,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -128,11 +109,12 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x, residual)[0]
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        out = child("embed_tokens", [embedding_cost("embed", self.embed_tokens.weight, step)])
+        w, T = self.embed_tokens.weight, step.num_tokens
+        row = w.shape[1] * w.element_size()                 # one table row read and written per token
+        out = [OpCost("embed", "embedding", 0, 2 * T * row, T * row, compute=step.act.compute, module="embed_tokens")]
         for i, layer in enumerate(self.layers):
             out += child(f"layers.{i}", layer.cost(step, first=i == 0))
         # the final norm's residual output is never read, so it is not written
@@ -160,9 +142,6 @@ class LlamaForCausalLM(nn.Module):
     def cost(self, step: StepShape) -> list[OpCost]:
         """Every op of one step, in order: the layers, the LM head over the rows that sample
         (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
-        if self.cfg.tie_word_embeddings:
-            w = self.model.embed_tokens.weight
-            head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
-        else:
-            head = child("", self.lm_head.cost(replace(step, weights=None), step.sampled_rows, out_bytes=4), "lm_head")
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

@@ -1,17 +1,13 @@
 """Build a model from an HF checkpoint directory: streamed safetensors, or dummy weights.
 
-Parameters are allocated once, uninitialised, on the target device and dtype. With
-load_format "auto" / "safetensors" each checkpoint tensor is then read (memory-mapped by
-safetensors, so at most one shard is mapped at a time) and handed, by name, to its parameter's
-own weight_loader (ridge/layers/weights.py), which copies it into place - into its shard's rows
-for a merged projection. Nothing is copied twice and no full state dict is built.
-
-With load_format "dummy" (vLLM's name) nothing is read but config.json: every parameter is
-filled in place on the device from a seeded generator, so that a model of any size starts in
-the time it takes to write its weights once in device memory - benchmark shapes (8B-70B)
-without tens of GB of checkpoint on disk. Matrices and embeddings get normal(0, 0.02), as
-transformers initialises them; norm weights 1 + normal(0, 0.02). Never zeros: a zero weight
-would let a kernel skip work, or hide a wrong read, that real weights would not.
+Parameters are allocated once, uninitialised, on the target device and dtype. With load_format
+"auto" / "safetensors" each checkpoint tensor is then read (memory-mapped, one shard at a time) and
+handed by name to its parameter's own weight_loader (ridge/layers/weights.py), which copies it into
+place: nothing is copied twice, no full state dict is built. With "dummy" (vLLM's name) every
+parameter is filled in place from a seeded generator, so a model of any size (benchmark shapes,
+8B-70B) starts in the time it takes to write its weights once, with no checkpoint on disk:
+normal(0, 0.02) as transformers initialises matrices and embeddings, norm weights 1 + normal(0,
+0.02). Never zeros: a zero weight could let a kernel skip work, or hide a wrong read, that real ones would not.
 """
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, n) for n in names]
+            files = [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise ValueError(f"model: shard(s) named in the index are missing: {', '.join(map(os.path.basename, missing))}")
@@ -63,10 +58,8 @@ def _param_slot(model: torch.nn.Module, name: str):
 def _checkpoint_name(model, pname: str, shard: str | None) -> str:
     if shard is None:
         return pname
-    inverse = {v: k for k, v in model.checkpoint_name_map.items()}
-    owner, leaf = pname.rsplit(".", 1)
-    parent, merged = owner.rsplit(".", 1)
-    return f"{parent}.{inverse[(merged, shard)]}.{leaf}"
+    parent, merged, leaf = pname.rsplit(".", 2)
+    return f"{parent}.{next(k for k, v in model.checkpoint_name_map.items() if v == (merged, shard))}.{leaf}"
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -74,22 +67,14 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
                load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    cls = model_class(cfg.architecture)
-    with torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = cls(cfg, backend, max_position)
-        finally:
-            torch.set_default_dtype(default)
-    # rotary tables stay float32: they are computed exactly as transformers does
-    for mod in model.modules():
-        if hasattr(mod, "cos"):
-            mod.cos, mod.sin = mod.cos.float(), mod.sin.float()
-    if load_format == "dummy":
-        initialize_dummy_weights(model, seed)
-    else:
-        load_weights(model, path, cfg, show_progress)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
+    try:
+        with torch.device(device):
+            model = model_class(cfg.architecture)(cfg, backend, max_position)
+    finally:
+        torch.set_default_dtype(default)
+    initialize_dummy_weights(model, seed) if load_format == "dummy" else load_weights(model, path, cfg, show_progress)
     return model.eval()
 
 
@@ -98,12 +83,9 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter in place on its device from one generator seeded with `seed`, in
     parameter order: the same seed gives the same model (see the module docstring)."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generators = {}
+    generators = {p.device: torch.Generator(device=p.device).manual_seed(seed) for p in model.parameters()}
     for p in model.parameters():
-        g = generators.get(p.device)
-        if g is None:
-            g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=g)
+        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[p.device])
 
 
 @torch.no_grad()
@@ -113,24 +95,22 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
     params = dict(model.named_parameters())
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress)
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                pname, shard = _param_slot(model, name)
-                if (pname, shard) not in expected:
-                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
-                                     f"(config and checkpoint disagree)")
-                param = params[pname]
-                try:
-                    param.weight_loader(param, f.get_tensor(name), shard)
-                except ValueError as e:
-                    raise ValueError(f"model: tensor {name!r} {e}") from None
-                loaded.add((pname, shard))
-                bar.update(1)
-    bar.close()
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file in checkpoint_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    pname, shard = _param_slot(model, name)
+                    if (pname, shard) not in expected:
+                        raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
+                                         f"(config and checkpoint disagree)")
+                    try:
+                        params[pname].weight_loader(params[pname], f.get_tensor(name), shard)
+                    except ValueError as e:
+                        raise ValueError(f"model: tensor {name!r} {e}") from None
+                    loaded.add((pname, shard))
+                    bar.update(1)
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [_checkpoint_name(model, p, s) for p, s in missing]

@@ -7,7 +7,7 @@ from ridge.config import SUPPORTED_ARCHITECTURES
 def model_class(architecture: str):
     from ridge.models.llama import LlamaForCausalLM
 
-    registry = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
-    if architecture not in registry:
-        raise ValueError(f"model: unsupported architecture {architecture!r}; ridge supports {', '.join(registry)}")
-    return registry[architecture]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: unsupported architecture {architecture!r}; "
+                         f"ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return LlamaForCausalLM

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ridge.config import ModelConfig
-from ridge.layers.cost import OpCost, Precision, StepShape, merge, precision_of
+from ridge.layers.cost import OpCost, Precision, StepShape, precision_of
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,32 @@ def op_costs(model, step: StepShape) -> list[OpCost]:
     return model_of(model, step.dtype).cost(step)
 
 
+def merge(costs: list[OpCost]) -> list[OpCost]:
+    """One op per name (first-seen order), FLOPs, bytes and calls summed; the first one's module."""
+    out: dict[str, OpCost] = {}
+    for c in costs:
+        o = out.get(c.name)
+        if o is None:
+            out[c.name] = replace(c)
+        else:
+            o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
+            o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
+    return list(out.values())
+
+
 def step_costs(model, step: StepShape) -> list[OpCost]:
     """One row per op name, summed over the layers."""
     return merge(op_costs(model, step))
+
+
+def prefill_shape(batch: int, prompt_len: int, **kw) -> StepShape:
+    """`batch` whole prompts of `prompt_len` tokens."""
+    return StepShape((prompt_len,) * batch, (prompt_len,) * batch, **kw)
+
+
+def decode_shape(batch: int, context_len: int, **kw) -> StepShape:
+    """`batch` sequences adding one token each, at context `context_len`."""
+    return StepShape((1,) * batch, (context_len,) * batch, **kw)
 
 
 ONE_TOKEN = StepShape((1,), (1,))

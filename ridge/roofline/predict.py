@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from ridge.config import ModelConfig
 from ridge.roofline.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
-from ridge.roofline.costs import PRECISIONS, Format, kv_bytes_per_token, parameter_bytes, step_costs
+from ridge.roofline.costs import (PRECISIONS, Format, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
+                                  step_costs)
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
@@ -100,8 +101,8 @@ def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, conte
             per_seq = pages * page_size * kv_bytes_per_token(cfg, f.shape(StepShape((1,), (1,))))
             max_batch = int(budget // per_seq)
             for b in batches:
-                pre = predicted_step_s(cfg, ceilings, f.shape(StepShape.prefill(b, ctx, greedy=greedy)))
-                dshape = f.shape(StepShape.decode(b, ctx, greedy=greedy))
+                pre = predicted_step_s(cfg, ceilings, f.shape(prefill_shape(b, ctx, greedy=greedy)))
+                dshape = f.shape(decode_shape(b, ctx, greedy=greedy))
                 dec = predicted_step_s(cfg, ceilings, dshape)
                 dec_launches = predicted_step_s(cfg, ceilings, dshape, with_launches=True)
                 rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec, dec_launches,

@@ -1,23 +1,19 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps. A batch-1 decode step of an 8B model is ~4 ms of GPU work in ~400
+kernel launches; run eagerly, Python spends about as long launching them as the GPU running them,
+and the GPU idles in between. A captured graph replays all of them with one launch.
 
-A batch-1 decode step of an 8B model is ~4 ms of GPU work spread over ~400 kernel launches; run
-eagerly, Python spends about as long launching them as the GPU spends running them, and the GPU
-idles in between. A captured graph replays all of them with one launch.
-
-One graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to max_num_seqs): a step of n
-sequences replays the smallest bucket >= n, its padding rows marked empty (no query, slot -1, so
-they neither read nor write the cache). Graphs replay fixed addresses, so every input lives in a
-static buffer that the step fills in place; the whole step is two host->device copies (one
-int64 and one int32 staging buffer, pinned) and one replay. The logits buffer is static too.
-When the engine launches a step before the previous step's sampled ids reached the host (async
-scheduling), one gather on the device fills the input ids from those ids.
+One graph per batch-size bucket (1, 2, 4, 8, then steps of 8 up to max_num_seqs): n sequences
+replay the smallest bucket >= n, its padding rows empty (no query, slot -1: no cache read or
+write). Graphs replay fixed addresses, so every input lives in a static buffer filled in place:
+a step is two host->device copies (pinned int64 and int32 staging) and one replay; the logits
+buffer is static too. When a step is launched before the previous step's sampled ids reached the
+host (async scheduling), one gather on the device fills the input ids from those ids.
 
 The attention kernels' launch parameters (split count, tiles) are fixed at capture for the
-longest context, max_model_len; the split kernel divides each sequence's actual length among
-its splits at run time, so short contexts pay only for empty programs.
-
-With graphs off (`enforce_eager`), decode steps go through the same static buffers and bucket
-padding and run the same kernels eagerly, so graphs on and off give bit-identical outputs.
+longest context, max_model_len; the split kernel divides each sequence's actual length among its
+splits at run time, so short contexts pay only for empty programs. With graphs off
+(`enforce_eager`), decode steps run the same kernels eagerly on the same static buffers and
+padding, so graphs on and off give bit-identical outputs.
 """
 from __future__ import annotations
 
@@ -34,9 +30,7 @@ log = logging.getLogger("ridge")
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
-    if not sizes or sizes[-1] < max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
+    return sizes if sizes and sizes[-1] == max_num_seqs else sizes + [max_num_seqs]
 
 
 @dataclass
@@ -54,9 +48,7 @@ class DecodeGraphs:
                  device: torch.device):
         self.model, self.layer_caches, self.device = model, layer_caches, device
         self.buckets = batch_buckets(max_num_seqs)
-        self.max_bs = self.buckets[-1]
-        self.max_pages = -(-max_model_len // page_size)
-        self.max_model_len = max_model_len
+        self.max_bs, self.max_pages, self.max_model_len = self.buckets[-1], -(-max_model_len // page_size), max_model_len
         B, P = self.max_bs, self.max_pages
         # int64 staging: [input_ids | positions | slots | source rows of ids still on the device];
         # int32: [query_start_loc (B+1) | seq_lens | tables]. Two pinned sets, used in turn: with
@@ -70,19 +62,15 @@ class DecodeGraphs:
         self.dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
-        self.query_start_loc = self.dev32[:B + 1]
-        self.seq_lens = self.dev32[B + 1:2 * B + 1]
+        self.query_start_loc, self.seq_lens = self.dev32[:B + 1], self.dev32[B + 1:2 * B + 1]
         self.page_tables = self.dev32[2 * B + 1:].view(B, P)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs, self.logits = {}, {}          # bucket -> its CUDA graph, its static logits
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], page_tables=self.page_tables[:bs],
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs,
-            max_query_len=1, max_seq_len=self.max_model_len)
+        L = self.max_model_len
+        return AttentionMetadata(self.slots[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
+                                 self.page_tables[:bs], list(range(bs + 1)), [L] * bs, max_query_len=1, max_seq_len=L)
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.layer_caches, self._meta(bs))
@@ -90,20 +78,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool (a smaller graph's
-        activations fit in the space of a larger one's). The capture inputs are harmless: one
-        token per row at position 0, slot -1 (nothing written), context length 1."""
-        t0 = time.perf_counter()
-        self.fill_idle()
-        pool = None
+        """Capture every bucket on fill_idle's harmless inputs (fill them first), largest first, all
+        sharing one memory pool (a smaller graph's activations fit in the space of a larger one's)."""
+        t0, pool = time.perf_counter(), None
         for bs in reversed(self.buckets):
             self._forward(bs)                      # compile / autotune outside the capture
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self.logits[bs] = self._forward(bs)
-            pool = g.pool()
-            self.graphs[bs] = g
+            pool, self.graphs[bs] = g.pool(), g
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs),
@@ -122,14 +106,11 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, step: DecodeInputs, previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
-        """Fill the static inputs for n sequences and replay; returns logits [n, vocab].
-
-        With `previous` = (device tensor of the last step's sampled ids, row of each of this
-        step's inputs in it), the input ids are gathered on the device: the host has not seen
-        them yet (step.input_ids holds placeholders there)."""
-        n = len(step.input_ids)
+        """Fill the static inputs for n sequences and replay; returns logits [n, vocab]. With
+        `previous` = (the last step's sampled ids on the device, each input's row in it), the input
+        ids are gathered on the device: the host has not seen them (step.input_ids: placeholders)."""
+        n, B, P = len(step.input_ids), self.max_bs, self.max_pages
         bs = self.bucket_for(n)
-        B, P = self.max_bs, self.max_pages
         h64, h32, tables = self.host64[self.turn], self.host32[self.turn], self.host_tables[self.turn]
         self.turn ^= 1
         if previous is None:
@@ -158,21 +139,3 @@ class DecodeGraphs:
             return self.logits[bs][:n]
         with torch.inference_mode():
             return self._forward(bs)[:n]
-
-    def replay_seconds(self, n: int, iters: int = 20) -> float | None:
-        """GPU time of one replay for n sequences (median of `iters`), using the inputs of the
-        last step but writing no cache slot: how long the step's kernels take with no host in
-        the way. The gap to the measured step time is host overhead."""
-        bs = self.bucket_for(n)
-        if bs not in self.graphs:
-            return None
-        self.slots.fill_(-1)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.graphs[bs].replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]

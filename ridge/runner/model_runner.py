@@ -1,13 +1,11 @@
 """Owns the model and the KV-cache pool; turns a scheduled step into one flat batch, runs the
-forward pass and samples.
+forward pass and samples. The flat batch: the new tokens of every scheduled sequence end to end
+(token ids, positions, cache slots), plus per sequence its query start, context length and page
+table, built as host lists and moved to the device in one copy each.
 
-The flat batch: the new tokens of every scheduled sequence laid end to end (token ids,
-positions, cache slots), plus per sequence its query start, context length and page table.
-Host-side lists are built first and moved to the device in one copy each.
-
-The runner sits below the engine and imports nothing from it: a step arrives as the scheduler's
-output, read through its fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`,
-`samples`; `page_copies`), and a sequence through `token_ids`, `page_table`, `request.params`.
+The runner sits below the engine and imports nothing from it: a step is read through the
+scheduler output's fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`, `samples`;
+`page_copies`), a sequence through `token_ids`, `page_table`, `request.params`.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
 from ridge.layers.sampler import SamplingBatch, sample
 from ridge.models.loader import load_model
-
 
 log = logging.getLogger("ridge")
 
@@ -46,33 +43,32 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
 
 def _plain_greedy(seq) -> bool:
     p = seq.request.params
-    return (p.temperature == 0 and p.logprobs is None and not p.uses_penalties
-            and seq.num_output_tokens >= p.min_tokens)
+    return p.temperature == 0 and p.logprobs is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens
 
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.device = cfg.device
+        self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
         self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed)
-        self.kv_cache: torch.Tensor | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+        self.kv_cache, self.decode_graphs = None, None      # set by allocate_kv_cache, setup_decode
         self.warm_up_seconds = 0.0
-        # Pinned landing buffers and events for sampled ids read back without waiting
-        # (tokens_to_host), allocated once: the engine has at most two decode steps' ids in
-        # flight (the one being committed and the one launched ahead), so two, used in turn.
-        self._landing: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        self._landing_turn = 0
+        # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
+        # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
+        self._landing, self._landing_turn = [], 0
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
 
-    def _observe(self, event: str, phase: str, arg) -> None:
+    def _observed(self, phase: str, arg, run, *args):
         for o in self.step_observers:
-            getattr(o, event)(phase, arg)
+            o.on_step_start(phase, arg)
+        out = run(*args)
+        for o in self.step_observers:
+            o.on_step_end(phase, arg)
+        return out
 
     def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
@@ -86,61 +82,44 @@ class ModelRunner:
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
 
     def setup_decode(self, use_graphs: bool) -> None:
-        """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to.
-        Only with the Triton backend: the torch reference reads host-side lengths that a graph
-        cannot see change. (On a CPU the Triton interpreter runs the same padded static path.)"""
+        """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
+        with the Triton backend (the torch reference reads host-side lengths a graph cannot see
+        change). On a CPU the Triton interpreter runs the same padded static path."""
         if self.backend.name != "triton":
             return
         self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
                                           self.cfg.max_model_len, self.cfg.page_size, self.device)
+        self.decode_graphs.fill_idle()
         if use_graphs and self.device.type == "cuda":
             self.decode_graphs.capture()
-        else:
-            self.decode_graphs.fill_idle()
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
-        """Run one throwaway prefill so the first request does not pay for compiling and
-        autotuning the prefill path (seconds on a GPU). The prefill kernel's autotuner times its
-        configs on the first shape it sees and keeps the winner for every later shape, so the
-        warm-up chunk is a typical large one. Slot -1: nothing is written to the cache."""
+        """One throwaway prefill, so the first request does not pay for compiling and autotuning
+        the prefill path (seconds on a GPU). The autotuner keeps the winner on the first shape it
+        sees for every later one, so the chunk is a typical large one. Slot -1: nothing written."""
         if self.device.type != "cuda" or self.backend.name != "triton":
             return
         t0 = time.perf_counter()
         n = max(2, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len, 2048))
-        ids = torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            page_tables=torch.zeros(1, -(-n // self.cfg.page_size), dtype=torch.int32, device=self.device),
-            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-        hidden = self.model(ids, torch.arange(n, device=self.device), self.layer_caches, meta)
+        hidden = self.model(torch.randint(0, self.model_cfg.vocab_size, (n,), device=self.device),
+                            torch.arange(n, device=self.device), self.layer_caches,
+                            self.metadata([-1] * n, [0, n], [n], [[0] * -(-n // self.cfg.page_size)]))
         self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
         torch.cuda.synchronize(self.device)
         self.warm_up_seconds = time.perf_counter() - t0
         log.info("prefill warm-up (%d tokens) in %.1f s", n, self.warm_up_seconds)
 
-    # -- batch preparation ----------------------------------------------------------------------
     def decode_inputs(self, sched) -> DecodeInputs | None:
         """The step as a pure decode batch (every sequence adds its one last token and samples),
         or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
-        g = self.decode_graphs
-        if g is None or len(sched.scheduled) > g.max_bs:
+        items, g, ps = sched.scheduled, self.decode_graphs, self.cfg.page_size
+        if g is None or len(items) > g.max_bs or any(
+                i.num_new_tokens != 1 or not i.samples or i.seq.prompt_logprobs is not None for i in items):
             return None
-        bs = self.cfg.page_size
-        step = DecodeInputs([], [], [], [], [])
-        for item in sched.scheduled:
-            seq = item.seq
-            if item.num_new_tokens != 1 or not item.samples or seq.prompt_logprobs is not None:
-                return None
-            p = item.start
-            step.input_ids.append(seq.token_ids[p])
-            step.positions.append(p)
-            step.slots.append(slot_of(seq.page_table, p, bs))
-            step.seq_lens.append(p + 1)
-            step.page_tables.append(seq.page_table)
-        return step
+        return DecodeInputs([i.seq.token_ids[i.start] for i in items], [i.start for i in items],
+                            [slot_of(i.seq.page_table, i.start, ps) for i in items], [i.start + 1 for i in items],
+                            [i.seq.page_table for i in items])
 
     def prepare(self, sched):
         bs = self.cfg.page_size
@@ -148,28 +127,21 @@ class ModelRunner:
         for item in sched.scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             input_ids += seq.token_ids[start:start + n]
-            pos = range(start, start + n)
-            positions += pos
-            table = seq.page_table
-            slots += [slot_of(table, p, bs) for p in pos]
+            positions += range(start, start + n)
+            slots += [slot_of(seq.page_table, p, bs) for p in range(start, start + n)]
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
-        max_pages = max(len(item.seq.page_table) for item in sched.scheduled)
-        tables = [item.seq.page_table + [0] * (max_pages - len(item.seq.page_table)) for item in sched.scheduled]
-        to_dev = self.to_device
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slots, torch.int64),
-            query_start_loc=to_dev(starts, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            page_tables=to_dev(tables, torch.int32),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return to_dev(input_ids, torch.int64), to_dev(positions, torch.int64), meta, sample_rows
+        meta = self.metadata(slots, starts, seq_lens, [item.seq.page_table for item in sched.scheduled])
+        return self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta, sample_rows
+
+    def metadata(self, slots: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]]):
+        """AttentionMetadata of a flat batch from host lists (page tables padded with page 0)."""
+        to_dev, width = self.to_device, max(map(len, tables))
+        return AttentionMetadata(to_dev(slots, torch.int64), to_dev(starts, torch.int32), to_dev(seq_lens, torch.int32),
+                                 to_dev([t + [0] * (width - len(t)) for t in tables], torch.int32), starts, seq_lens,
+                                 max(b - a for a, b in zip(starts, starts[1:])), max(seq_lens))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Host list -> device tensor through pinned memory, without waiting for the GPU (a copy
@@ -179,24 +151,17 @@ class ModelRunner:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = self.to_device([s for s, _ in copies], torch.int64)
-            dst = self.to_device([d for _, d in copies], torch.int64)
+            src, dst = (self.to_device(list(c), torch.int64) for c in zip(*copies))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        self._observe("on_step_start", "execute", sched)
-        out = self._execute(sched, previous)
-        self._observe("on_step_end", "execute", sched)
-        return out
+        return self._observed("execute", sched, self._execute, sched, previous)
 
     @torch.inference_mode()
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        """Run one step's forward: logits of the rows that sample, and prompt log-probabilities
-        for requests that score their prompt.
-
-        `previous` = (sampled ids of the step before, still on the device; for each row of this
-        step the index of its input id in there): the overlapped decode, scheduled before those
-        ids reached the host. Only the static decode path takes its input ids from the device."""
+        """One step's forward: logits of the rows that sample, prompt log-probabilities of requests that
+        score their prompt. `previous` = (the last step's sampled ids, still on the device; each row's
+        index in there): the overlapped decode, whose ids have not reached the host (static path only)."""
         self.copy_pages(sched.page_copies)
         decode = self.decode_inputs(sched)
         if decode is not None:
@@ -205,24 +170,18 @@ class ModelRunner:
             raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
-        rows = self.to_device(sample_rows, torch.int64)
-        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, rows)))
+        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, self.to_device(sample_rows, torch.int64))))
         for i, item in enumerate(sched.scheduled):
             seq = item.seq
-            if seq.prompt_logprobs is None:
-                continue
             # row r of this chunk (position start + r) predicts the token at position start + r + 1
             last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if last <= item.start:
+            if seq.prompt_logprobs is None or last <= item.start:
                 continue
-            row0 = meta.query_start_loc_cpu[i]
-            targets = seq.token_ids[item.start + 1:last + 1]
-            values = []
+            row0, targets, values = meta.query_start_loc_cpu[i], seq.token_ids[item.start + 1:last + 1], []
             for lo in range(0, len(targets), _SCORE_ROWS):
-                h = hidden[row0 + lo:row0 + min(lo + _SCORE_ROWS, len(targets))]
-                logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                tgt = self.to_device(targets[lo:lo + _SCORE_ROWS], torch.int64)[:, None]
-                values += logp.gather(1, tgt).squeeze(1).tolist()
+                tgt = targets[lo:lo + _SCORE_ROWS]
+                logp = torch.log_softmax(self.model.compute_logits(hidden[row0 + lo:row0 + lo + len(tgt)]), dim=-1)
+                values += logp.gather(1, self.to_device(tgt, torch.int64)[:, None]).squeeze(1).tolist()
             out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
         return out
 
@@ -233,13 +192,11 @@ class ModelRunner:
             return tokens, None
         n = tokens.numel()
         if not self._landing or self._landing[0][0].numel() < n or self._landing[0][0].dtype != tokens.dtype:
-            size = max(n, self.cfg.max_num_seqs)
-            self._landing = [(torch.empty(size, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event())
-                             for _ in range(2)]
+            self._landing = [(torch.empty(max(n, self.cfg.max_num_seqs), dtype=tokens.dtype, pin_memory=True),
+                              torch.cuda.Event()) for _ in range(2)]
         buf, done = self._landing[self._landing_turn]
         self._landing_turn ^= 1
-        host = buf[:n].view(tokens.shape)
-        host.copy_(tokens, non_blocking=True)
+        host = buf[:n].view(tokens.shape).copy_(tokens, non_blocking=True)
         done.record()
         return host, done
 
@@ -250,12 +207,8 @@ class ModelRunner:
             done.synchronize()
         return host.tolist()
 
-    # -- sampling -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
-        self._observe("on_step_start", "sample", seqs)
-        out = self._sample(logits, seqs, eos_ids)
-        self._observe("on_step_end", "sample", seqs)
-        return out
+        return self._observed("sample", seqs, self._sample, logits, seqs, eos_ids)
 
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
@@ -266,44 +219,34 @@ class ModelRunner:
     def sampling_batch(self, seqs: list, vocab: int, eos_ids: list[int]) -> SamplingBatch:
         """Per-row parameters as device tensors. Every host->device copy goes through pinned
         memory without blocking, so building the batch never waits for the GPU."""
-        to_dev = self.to_device
-        ps = [s.request.params for s in seqs]
-        n = len(seqs)
+        to_dev, ps, n = self.to_device, [s.request.params for s in seqs], len(seqs)
 
-        def scatter_mask(pairs: list[tuple[int, int]], dtype) -> torch.Tensor:
-            """[n, vocab] tensor with 1 at (row, token) for each pair (repeats add up)."""
-            t = torch.zeros(n * vocab, dtype=dtype, device=self.device)
+        def scatter_mask(pairs: list[tuple[int, int]]) -> torch.Tensor:
+            """[n, vocab] float32 with 1 at (row, token) for each pair (repeats add up)."""
+            t = torch.zeros(n * vocab, dtype=torch.float32, device=self.device)
             if pairs:
                 flat = to_dev([r * vocab + tok for r, tok in pairs], torch.int64)
-                t.index_add_(0, flat, torch.ones(len(pairs), dtype=dtype, device=self.device))
+                t.index_add_(0, flat, torch.ones(len(pairs), dtype=torch.float32, device=self.device))
             return t.view(n, vocab)
 
         wants_penalty = any(p.presence_penalty or p.frequency_penalty for p in ps)
         wants_repetition = any(p.repetition_penalty != 1.0 for p in ps)
         counts = seen = banned = None
         if wants_penalty or wants_repetition:
-            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids], torch.float32)
+            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids])
         if wants_repetition:
-            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]],
-                                  torch.float32)
+            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]])
             seen = (counts > 0) | (prompt > 0)
         ban = [(i, t) for i, (s, p) in enumerate(zip(seqs, ps)) if s.num_output_tokens < p.min_tokens
                for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
         if ban:
-            banned = scatter_mask(ban, torch.float32) > 0
+            banned = scatter_mask(ban) > 0
+        f32 = {k: to_dev([getattr(p, k) for p in ps], torch.float32) for k in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+        i64 = {"top_k": [p.top_k if p.top_k > 0 else vocab for p in ps], "seeds": [s.seed for s in seqs],
+               "steps": [s.num_output_tokens for s in seqs]}
         return SamplingBatch(
-            temperature=to_dev([p.temperature for p in ps], torch.float32),
-            top_k=to_dev([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64),
-            top_p=to_dev([p.top_p for p in ps], torch.float32),
-            min_p=to_dev([p.min_p for p in ps], torch.float32),
-            seeds=to_dev([s.seed for s in seqs], torch.int64),
-            steps=to_dev([s.num_output_tokens for s in seqs], torch.int64),
-            presence_penalty=to_dev([p.presence_penalty for p in ps], torch.float32),
-            frequency_penalty=to_dev([p.frequency_penalty for p in ps], torch.float32),
-            repetition_penalty=to_dev([p.repetition_penalty for p in ps], torch.float32),
-            output_counts=counts if wants_penalty else None,
-            seen_mask=seen,
-            banned=banned,
+            **f32, **{k: to_dev(v, torch.int64) for k, v in i64.items()},
+            output_counts=counts if wants_penalty else None, seen_mask=seen, banned=banned,
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
-            all_greedy=all(p.temperature == 0 for p in ps),
-        )
+            all_greedy=all(p.temperature == 0 for p in ps))
