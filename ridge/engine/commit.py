@@ -1,6 +1,10 @@
 """Committing sampled tokens: append each to its sequence (or fill the placeholder an overlapped
 step left), record log-probabilities, detokenize, and decide whether the token ends the
-sequence (stop token, stop string, max_tokens, context length)."""
+sequence (stop token, stop string, max_tokens, context length).
+
+Each sequence detokenizes through a tokenizers DecodeStream, which emits text only once a whole
+UTF-8 piece is known (a character split across tokens is held back), so the cumulative text is
+always valid and never rewritten."""
 from __future__ import annotations
 
 import time
@@ -9,9 +13,9 @@ from ridge.engine.request import Logprob, Request, Sequence
 
 
 class Committer:
-    def __init__(self, max_model_len: int, eos_ids: list[int], detokenizer, scheduler):
+    def __init__(self, max_model_len: int, eos_ids: list[int], tokenizer, scheduler):
         self.max_model_len, self.eos_ids = max_model_len, eos_ids
-        self.detokenizer, self.scheduler = detokenizer, scheduler
+        self.tokenizer, self.scheduler = tokenizer, scheduler
         self.generation_tokens = 0
 
     def commit(self, seqs: list[Sequence], tokens: list[int], info,
@@ -55,7 +59,7 @@ class Committer:
             return "stop"     # min_tokens is enforced by banning these tokens until then
         if seq.detokenizer is not None:
             before = len(seq.text)
-            seq.text += self.detokenizer.step(seq.detokenizer, tok)
+            seq.text += seq.detokenizer.step(self.tokenizer.backend_tokenizer, tok) or ""
             if params.stop_strings and num_output >= params.min_tokens:
                 # a stop string can only end inside the new piece: search from just before it
                 start = max(0, before - max(map(len, params.stop_strings)) + 1)
@@ -69,7 +73,7 @@ class Committer:
 
     def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
         chosen, rank, top_v, top_i = info
-        decode = self.detokenizer.token_text if self.detokenizer is not None else (lambda t: None)
+        decode = self.tokenizer.convert_ids_to_tokens if self.tokenizer is not None else (lambda t: None)
         entry = {tok: Logprob(float(chosen[i]), int(rank[i]), decode(tok))}
         if k:
             for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):

@@ -1,12 +1,10 @@
-"""The engine: queues requests and runs the step loop.
+"""The engine: queues requests and runs the step loop,
 
     step = schedule -> prepare + forward (runner) -> sample -> commit
 
-Everything a step calls lives in its own module: intake (validation, tokenization), scheduler
-and pages (who runs, where their KV lives), the runner (batch, forward, sampling), commit
-(tokens, stops, logprobs) and overlap (decode steps launched before the previous step's ids
-are read back). This file only wires them together.
-"""
+wiring together modules of their own: intake (validation, tokenization), scheduler and pages
+(who runs, where their KV lives), the runner, commit (tokens, stops, logprobs) and overlap
+(decode steps launched before the previous step's ids are read back)."""
 from __future__ import annotations
 
 import time
@@ -14,7 +12,6 @@ from dataclasses import dataclass
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
-from ridge.engine.detokenizer import Detokenizer
 from ridge.engine.intake import Intake
 from ridge.engine.overlap import DecodeOverlap, overlappable
 from ridge.engine.pages import PageAllocator
@@ -46,12 +43,11 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None):
         self.cfg, self.model_cfg, self.runner = cfg, model_cfg, runner
         self.tokenizer = tokenizer
-        detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.intake = Intake(cfg, model_cfg, tokenizer, detokenizer, self.pages.pages_for)
-        self.committer = Committer(cfg.max_model_len, self.eos_ids, detokenizer, self.scheduler)
+        self.intake = Intake(cfg, model_cfg, tokenizer, self.pages.pages_for)
+        self.committer = Committer(cfg.max_model_len, self.eos_ids, tokenizer, self.scheduler)
         self.overlap = DecodeOverlap(self.scheduler, runner, cfg.max_model_len, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
@@ -62,11 +58,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises ValueError naming the bad parameter. A rejected
         request leaves the engine and every accepted request untouched."""
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        req = self.intake.make_request(prompt, params, request_id)
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        req = self.intake.make_request(prompt, params, request_id, self.requests)
         self.requests[req.request_id] = req
         self.scheduler.add(req.seqs[0])
         return req.request_id
