@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
 from ridge.engine.intake import Intake
-from ridge.engine.overlap import DecodeOverlap, overlappable
+from ridge.engine.overlap import DecodeOverlap
 from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, RequestOutput
 from ridge.engine.sampling_params import SamplingParams
@@ -33,16 +33,13 @@ class EngineStats:
     generation_tokens: int         # tokens sampled
     num_decode_steps: int          # steps served by the static decode path (CUDA graphs where captured)
     num_overlapped_steps: int      # of which launched before the previous step's ids were read back
-
-    @property
-    def overlap_fraction(self) -> float | None:
-        return self.num_overlapped_steps / self.num_decode_steps if self.num_decode_steps else None
+    overlap_fraction = property(lambda self: self.num_overlapped_steps / self.num_decode_steps
+                                if self.num_decode_steps else None)
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None):
-        self.cfg, self.model_cfg, self.runner = cfg, model_cfg, runner
-        self.tokenizer = tokenizer
+        self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -53,7 +50,6 @@ class Engine:
         self.prompt_tokens_computed = 0
         self.num_decode_steps = 0
 
-    # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises ValueError naming the bad parameter. A rejected
@@ -79,7 +75,6 @@ class Engine:
                            self.prompt_tokens_computed, self.committer.generation_tokens,
                            self.num_decode_steps, self.overlap.num_overlapped_steps)
 
-    # -- the step loop ---------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
@@ -103,7 +98,7 @@ class Engine:
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
-                and all(overlappable(s.request.params) for s in seqs):
+                and not any(s.request.params.uses_penalties for s in seqs):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
         if info is not None:

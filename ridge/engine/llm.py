@@ -48,42 +48,37 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 
 def _resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
+    except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes)."""
     if dtype != "auto":
         return parse_dtype(dtype)
-    # CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
-    # except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes).
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype
+    ckpt = model_cfg.checkpoint_dtype
+    return torch.float32 if device.type == "cpu" else torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
 def _kv_budget(cfg: EngineConfig) -> int:
     """Bytes for the KV pool, measured after the model is loaded."""
-    device = cfg.device
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory
+    if cfg.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(cfg.device)
+    else:
+        free, total = (os.sysconf(n) * os.sysconf("SC_PAGE_SIZE") for n in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"))
     if cfg.gpu_memory_utilization is not None:
         # what the fraction of the whole device leaves once everything now in use is counted
         return int(cfg.gpu_memory_utilization * total) - (total - free)
-    return int(0.85 * free) if device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
+    return int(0.85 * free) if cfg.device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
 
 
 def _check_backend(name: str, device: torch.device) -> None:
     """The Triton kernels run on a CUDA device (on a CPU only under Triton's interpreter, for tests);
     say so now rather than fail inside the first launch."""
-    if name != "triton" or device.type == "cuda":
-        return
     try:
         import triton
         interpreted = bool(triton.knobs.runtime.interpret)
     except (ImportError, AttributeError):
         interpreted = False
-    if not interpreted:
+    if name == "triton" and device.type != "cuda" and not interpreted:
         raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {device} "
                          f"(use attention_backend='torch' or 'auto')")
 
@@ -168,14 +163,10 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _signature() -> inspect.Signature:
-    """`LLM(model=None, *, <every EngineConfig setting>, show_progress=True)`, for help() and editors."""
-    P = inspect.Parameter
-    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("model", P.POSITIONAL_OR_KEYWORD, default=None)]
-    params += [P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f, _, _ in setting_fields(EngineConfig) if f.name != "model"]
-    params.append(P("show_progress", P.KEYWORD_ONLY, default=True, annotation="bool"))
-    return inspect.Signature(params)
-
-
-LLM.__init__.__signature__ = _signature()
+# LLM(model=None, *, <every EngineConfig setting>, show_progress=True), for help() and editors
+_P = inspect.Parameter
+LLM.__init__.__signature__ = inspect.Signature([
+    _P("self", _P.POSITIONAL_OR_KEYWORD), _P("model", _P.POSITIONAL_OR_KEYWORD, default=None),
+    *(_P(f.name, _P.KEYWORD_ONLY, default=f.default, annotation=f.type)
+      for f, _, _ in setting_fields(EngineConfig) if f.name != "model"),
+    _P("show_progress", _P.KEYWORD_ONLY, default=True, annotation="bool")])

@@ -19,23 +19,18 @@ from ridge.engine.request import Sequence
 
 
 def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
-    h = hashlib.sha256(parent or b"")
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool):
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_pages, self.page_size, self.enable_prefix_caching = num_pages, page_size, enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_pages))
         self.cached: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
-    # -- accounting -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self.free_queue)
@@ -46,7 +41,6 @@ class PageAllocator:
     def usage(self) -> float:
         return 1.0 - self.num_free_pages / self.num_pages
 
-    # -- prefix caching -----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding the sequence's leading full pages. At least one token is left
         to compute, since its logits are needed to sample."""
@@ -74,7 +68,6 @@ class PageAllocator:
                 self.cached[h] = page
                 self.page_hash[page] = h
 
-    # -- allocation ---------------------------------------------------------------------------
     def pages_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Fresh pages to hold `num_new_tokens` more tokens: new pages, copies of shared pages
         that will be written, and cached hits that must come out of the free queue."""
@@ -114,23 +107,19 @@ class PageAllocator:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for b in parent.page_table:
             self._ref(b)
-        child.page_table = list(parent.page_table)
-        child.page_hashes = list(parent.page_hashes)
+        child.page_table, child.page_hashes = list(parent.page_table), list(parent.page_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         # Tail pages first into the queue, so a sequence's prefix outlives its tail in the cache.
         for b in reversed(seq.page_table):
             self._unref(b)
-        seq.page_table = []
-        seq.page_hashes = []
-        seq.num_computed_tokens = 0
+        seq.page_table, seq.page_hashes, seq.num_computed_tokens = [], [], 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    # -- internals ----------------------------------------------------------------------------
     def _pop_free(self) -> int:
         page, _ = self.free_queue.popitem(last=False)
         h = self.page_hash[page]

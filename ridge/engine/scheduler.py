@@ -24,15 +24,9 @@ from ridge.engine.request import Request, Sequence, SeqStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    start = property(lambda self: self.seq.num_computed_tokens)
+    # the chunk reaches the end of the sequence, so its last logits are sampled
+    samples = property(lambda self: self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
 
 
 @dataclass
@@ -41,16 +35,10 @@ class SchedulerOutput:
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pages = pages
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pages, self.max_num_seqs, self.max_num_batched_tokens = pages, max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,21 +53,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while self.pages.pages_needed(seq, n) > self.pages.num_free_pages:
-                victim = self.running[-1]
-                self._preempt(victim, out)
+                victim = self.running.pop()
+                self.pages.free(victim)
+                victim.status = SeqStatus.WAITING
+                self.waiting.appendleft(victim)
+                out.preempted.append(victim)
+                self.num_preemptions += 1
                 if victim is seq:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break
             self.pages.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
-            scheduled_ids.add(seq.seq_id)
             budget -= n
             i += 1
         if not out.preempted:
@@ -122,14 +112,6 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self.pages.free(seq)
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        self.num_preemptions += 1
 
     def fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Which sequence each sampled token goes to, and the logits row it is drawn from. A
