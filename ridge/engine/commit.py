@@ -1,10 +1,8 @@
 """Committing sampled tokens: append each to its sequence (or fill the placeholder an overlapped
-step left), record log-probabilities, detokenize, and decide whether the token ends the
-sequence (stop token, stop string, max_tokens, context length).
-
-Each sequence detokenizes through a tokenizers DecodeStream, which emits text only once a whole
-UTF-8 piece is known (a character split across tokens is held back), so the cumulative text is
-always valid and never rewritten."""
+step left), record log-probabilities, detokenize, and decide whether the token ends the sequence
+(stop token, stop string, max_tokens, context length). Each sequence detokenizes through a
+DecodeStream, which emits text only once a whole UTF-8 piece is known (a character split across
+tokens is held back), so the cumulative text is always valid and never rewritten."""
 from __future__ import annotations
 
 import time
@@ -14,8 +12,7 @@ from ridge.engine.request import Logprob, Request, Sequence
 
 class Committer:
     def __init__(self, max_model_len: int, eos_ids: list[int], tokenizer, scheduler):
-        self.max_model_len, self.eos_ids = max_model_len, eos_ids
-        self.tokenizer, self.scheduler = tokenizer, scheduler
+        self.max_model_len, self.eos_ids, self.tokenizer, self.scheduler = max_model_len, eos_ids, tokenizer, scheduler
         self.generation_tokens = 0
 
     def commit(self, seqs: list[Sequence], tokens: list[int], info,

@@ -113,15 +113,6 @@ def sampling_list(params, count: int) -> list[SamplingParams]:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def conversation_list(messages) -> list[list[dict]]:
-    """`LLM.chat`'s argument as a list of conversations: one conversation or a list of them."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
-                         "(or a list of such lists)")
-    return [check_messages(c) for c in messages] if all(isinstance(m, (list, tuple)) for m in messages) \
-        else [check_messages(messages)]
-
-
 def check_messages(messages) -> list[dict]:
     """One conversation checked and put in the form chat templates read: each message a dict with a
     known role and string content; OpenAI text-part content ([{"type": "text", "text": ...}]) is

@@ -6,11 +6,12 @@ import inspect
 import os
 
 import torch
+import triton
 from tqdm.auto import tqdm
 
 from ridge.config import EngineConfig, ModelConfig, parse_dtype
 from ridge.engine.engine import Engine
-from ridge.engine.intake import check_messages, conversation_list, prompt_list, sampling_list
+from ridge.engine.intake import check_messages, prompt_list, sampling_list
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.runner.model_runner import ModelRunner
@@ -70,19 +71,6 @@ def _kv_budget(cfg: EngineConfig) -> int:
     return int(0.85 * free) if cfg.device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
 
 
-def _check_backend(name: str, device: torch.device) -> None:
-    """The Triton kernels run on a CUDA device (on a CPU only under Triton's interpreter, for tests);
-    say so now rather than fail inside the first launch."""
-    try:
-        import triton
-        interpreted = bool(triton.knobs.runtime.interpret)
-    except (ImportError, AttributeError):
-        interpreted = False
-    if name == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {device} "
-                         f"(use attention_backend='torch' or 'auto')")
-
-
 class LLM:
     """The offline engine. `LLM(model, **settings)` takes exactly the fields of
     `ridge.config.EngineConfig` (see `ridge.settings.describe(EngineConfig)`); every value is
@@ -102,7 +90,10 @@ class LLM:
         if not 1 < max_len <= limit:
             raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
                              f"got {cfg.max_model_len!r}")
-        _check_backend(cfg.attention_backend, dev)
+        if cfg.attention_backend == "triton" and dev.type != "cuda" and not triton.knobs.runtime.interpret:
+            # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
+            raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
+                             f"(use attention_backend='torch' or 'auto')")
         cfg = dataclasses.replace(cfg, model=path, device=dev, dtype=_resolve_dtype(cfg.dtype, model_cfg, dev),
                                   max_model_len=max_len)
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
@@ -137,7 +128,10 @@ class LLM:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this checkpoint has no chat template")
-        conversations = conversation_list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
+                             "(or a list of such lists)")
+        conversations = messages if all(isinstance(m, (list, tuple)) for m in messages) else [messages]
         sampling_list(sampling_params, len(conversations))
         prompts = [self.chat_prompt_ids(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

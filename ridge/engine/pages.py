@@ -31,9 +31,7 @@ class PageAllocator:
         self.cached: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
-    @property
-    def num_free_pages(self) -> int:
-        return len(self.free_queue)
+    num_free_pages = property(lambda self: len(self.free_queue))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -75,9 +73,8 @@ class PageAllocator:
         start = seq.num_computed_tokens or len(hits) * self.page_size
         end = start + num_new_tokens
         needed = max(0, self.pages_for(end) - len(table))
-        for i in range(start // self.page_size, min(len(table), self.pages_for(end))):
-            if self.ref_counts[table[i]] > 1:
-                needed += 1
+        needed += sum(self.ref_counts[table[i]] > 1 for i in range(start // self.page_size,
+                                                                   min(len(table), self.pages_for(end))))
         if not seq.page_table:
             needed += sum(1 for b in hits if self.ref_counts[b] == 0)
         return needed
@@ -123,11 +120,9 @@ class PageAllocator:
     def _pop_free(self) -> int:
         page, _ = self.free_queue.popitem(last=False)
         h = self.page_hash[page]
-        if h is not None:                                   # evict from the prefix cache
-            if self.cached.get(h) == page:
-                del self.cached[h]
-            self.page_hash[page] = None
-        self.ref_counts[page] = 1
+        if h is not None and self.cached.get(h) == page:    # evict from the prefix cache
+            del self.cached[h]
+        self.page_hash[page], self.ref_counts[page] = None, 1
         return page
 
     def _ref(self, page: int) -> None:

@@ -119,16 +119,14 @@ class Scheduler:
         (copy-on-write) and draw from the same logits row, and run on their own from now on."""
         seqs, rows = [], []
         for row, seq in enumerate(sampling):
-            seqs.append(seq)
-            rows.append(row)
-            if seq.sample_index == 0 and seq.num_output_tokens == 0:
-                for child in seq.request.seqs[1:]:
-                    if child.status == SeqStatus.UNBORN:
-                        self.pages.fork(seq, child)
-                        child.status = SeqStatus.RUNNING
-                        self.running.append(child)
-                        seqs.append(child)
-                        rows.append(row)
+            born = [c for c in seq.request.seqs[1:] if c.status == SeqStatus.UNBORN] \
+                if seq.sample_index == 0 and seq.num_output_tokens == 0 else []
+            for child in born:
+                self.pages.fork(seq, child)
+                child.status = SeqStatus.RUNNING
+            self.running += born
+            seqs += [seq, *born]
+            rows += [row] * (1 + len(born))
         return seqs, rows
 
     def finish(self, seq: Sequence, reason: str) -> None:
