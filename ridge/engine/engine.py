@@ -101,8 +101,7 @@ class Engine:
                 and not any(s.request.params.uses_penalties for s in seqs):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
-        if info is not None:
-            info = tuple(t.cpu() if t is not None else None for t in info)
+        info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
         return self._outputs(self.committer.commit(seqs, tokens.tolist(), info), finished_only)
 
     def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:

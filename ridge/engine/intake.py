@@ -30,7 +30,17 @@ class Intake:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {type(request_id).__name__}")
         text, token_ids = self.tokenize(prompt)
-        max_tokens = self.check_lengths(token_ids, params)
+        max_len, n_prompt = self.cfg.max_model_len, len(token_ids)
+        if n_prompt >= max_len:
+            raise ValueError(f"prompt: {n_prompt} tokens leave no room for output within max_model_len={max_len}")
+        room = max_len - n_prompt
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
+                             f"(max_model_len={max_len}, prompt={n_prompt})")
+        if (pages := self.pages_for(n_prompt + max_tokens)) > self.cfg.num_pages:
+            raise ValueError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} KV pages, "
+                             f"but the cache holds {self.cfg.num_pages}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -63,22 +73,6 @@ class Intake:
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         return None, list(prompt)
-
-    def check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The request's output budget; raises if the prompt and max_tokens cannot fit."""
-        max_len, n_prompt = self.cfg.max_model_len, len(token_ids)
-        if n_prompt >= max_len:
-            raise ValueError(f"prompt: {n_prompt} tokens leave no room for output within max_model_len={max_len}")
-        room = max_len - n_prompt
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ValueError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
-                             f"(max_model_len={max_len}, prompt={n_prompt})")
-        pages = self.pages_for(n_prompt + max_tokens)
-        if pages > self.cfg.num_pages:
-            raise ValueError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} KV pages, "
-                             f"but the cache holds {self.cfg.num_pages}")
-        return max_tokens
 
 
 def prompt_list(prompts) -> list:

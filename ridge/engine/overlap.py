@@ -51,10 +51,9 @@ class DecodeOverlap:
         self.inflight = InflightStep(seqs, tokens, host, info, done, indices, sched)
 
     def launch_ahead(self) -> InflightStep | None:
-        """Take the in-flight step, first launching the decode step after it if that can be
-        decided now: only when its sequences are all that runs and no waiting request could be
-        admitted (admission and preemption need the regular schedule), and without the sequences
-        its token ends by length. Returns the step taken; the step launched is in flight."""
+        """Take the in-flight step, first launching the next decode step (without the sequences
+        the taken step ends by length) if its sequences are all that runs and no waiting request
+        could be admitted (which needs the regular schedule). The step launched is in flight."""
         prev, self.inflight = self.inflight, None
         sched = self.scheduler
         live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]

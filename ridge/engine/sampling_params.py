@@ -34,14 +34,10 @@ class SamplingParams:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.validate()
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Sampling reads the sequence's earlier tokens (presence, frequency or repetition penalty)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    greedy = property(lambda self: self.temperature == 0.0)
+    # sampling reads the sequence's earlier tokens (presence, frequency or repetition penalty)
+    uses_penalties = property(lambda self: bool(self.presence_penalty or self.frequency_penalty
+                                                or self.repetition_penalty != 1.0))
 
     def validate(self, max_n: int | None = None) -> None:
         def need(ok, name, rule, got=None):

@@ -1,15 +1,13 @@
 """Continuous batching: each step picks which sequences run and how many tokens each computes.
 
-Policy, per step, under a token budget (`max_num_batched_tokens`) and a seat limit
-(`max_num_seqs`):
-  1. running sequences first, oldest first: a decode needs one token; an unfinished prefill
-     takes its next chunk of the budget. If the pool has no page for one, the most recently
-     admitted running sequence is preempted (its pages freed; it is recomputed later, which
-     gives the same output) until the pages are there;
+Policy, per step, under a token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
+  1. running sequences first, oldest first: a decode needs one token, an unfinished prefill its
+     next chunk of the budget. If the pool has no page for one, the most recently admitted running
+     sequence is preempted (pages freed; recomputed later, to the same output) until there is;
   2. then waiting sequences, in arrival order (preempted ones first), each starting after its
-     prefix-cache hits, as long as budget, seats and pages last. A long prompt is admitted with
-     as much of it as the budget allows and continues next step (chunked prefill), so it shares
-     steps with the running decodes instead of stalling them.
+     prefix-cache hits, while budget, seats and pages last. A long prompt is admitted with as much
+     as the budget allows and continues next step (chunked prefill), sharing steps with the running
+     decodes instead of stalling them.
 """
 from __future__ import annotations
 
