@@ -41,11 +41,9 @@ class Committer:
                 del seq.token_ids[length:]          # a later step's placeholder, if one was launched
                 seq.num_pending = 0
                 self.scheduler.finish(seq, reason)
+                req.finished_time = now if req.is_finished else None
             touched[req.request_id] = req
             self.generation_tokens += 1
-        for req in touched.values():
-            if req.is_finished:
-                req.finished_time = now
         return list(touched.values())
 
     def finish_reason(self, seq: Sequence, tok: int, length: int) -> str | None:

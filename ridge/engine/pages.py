@@ -1,14 +1,12 @@
-"""The page allocator of the paged KV cache.
-
-The cache is one pool of `num_pages` pages of `page_size` token slots, allocated once. A
-sequence's page table maps its logical pages to physical ones. Pages are reference counted:
+"""The page allocator of the paged KV cache: one pool of `num_pages` pages of `page_size` token
+slots, allocated once; a sequence's page table maps its logical pages to physical ones. Pages are
+reference counted:
   - prefix caching: a full page is named by a hash chained from its parent page's hash and its
     own tokens; a later request whose prompt starts with the same tokens takes the same pages;
-  - forked samples (n > 1) share the prompt's pages; a shared page about to be written is
-    copied first (copy-on-write), the copy queued for the runner to perform on the device.
-A page whose count drops to zero goes to the back of the free queue but keeps its hash, so it
-can still be hit until it is reused (least recently freed is reused first).
-"""
+  - forked samples (n > 1) share the prompt's pages; a shared page about to be written is copied
+    first (copy-on-write), the copy queued for the runner to perform on the device.
+A page whose count drops to zero goes to the back of the free queue but keeps its hash, so it can
+still be hit until it is reused (least recently freed is reused first)."""
 from __future__ import annotations
 
 import hashlib
@@ -83,9 +81,8 @@ class PageAllocator:
         assert not seq.page_table
         for b in hits:
             self._ref(b)
-        seq.page_table = list(hits)
+        seq.page_table, seq.page_hashes = list(hits), [self.page_hash[b] for b in hits]
         seq.num_computed_tokens = len(hits) * self.page_size
-        seq.page_hashes = [self.page_hash[b] for b in hits]
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make pages for tokens [num_computed, num_computed + num_new_tokens) exist and be
