@@ -63,7 +63,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort_request(req)
-        self.overlap.drop_if_finished()
+        if self.overlap.inflight is not None and all(s.is_finished for s in self.overlap.inflight.seqs):
+            self.overlap.inflight = None            # every row of the in-flight step ended: nothing to commit
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.overlap.inflight is not None
@@ -71,7 +72,7 @@ class Engine:
     def stats(self) -> EngineStats:
         p = self.pages
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), p.num_pages,
-                           p.num_free_pages, p.usage(), self.scheduler.num_preemptions,
+                           p.num_free_pages, 1.0 - p.num_free_pages / p.num_pages, self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.committer.generation_tokens,
                            self.num_decode_steps, self.overlap.num_overlapped_steps)
 

@@ -70,8 +70,3 @@ class DecodeOverlap:
         self.leave_on_device(seqs, tokens, info, step)
         self.num_overlapped_steps += 1
         return prev
-
-    def drop_if_finished(self) -> None:
-        """After an abort: nothing is left to commit if every row of the in-flight step ended."""
-        if self.inflight is not None and all(s.is_finished for s in self.inflight.seqs):
-            self.inflight = None

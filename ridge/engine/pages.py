@@ -34,9 +34,6 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free_pages / self.num_pages
-
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding the sequence's leading full pages. At least one token is left
         to compute, since its logits are needed to sample."""
