@@ -1,6 +1,8 @@
 """Committing sampled tokens: append each to its sequence (or fill the placeholder an overlapped
-step left), record log-probabilities, detokenize, and decide whether the token ends the
-sequence (stop token, stop string, max_tokens, context length)."""
+step left), record log-probabilities, detokenize, and decide whether the token ends the sequence
+(stop token, stop string, max_tokens, context length). Each sequence detokenizes through a
+DecodeStream, which emits text only once a whole UTF-8 piece is known (a character split across
+tokens is held back), so the cumulative text is always valid and never rewritten."""
 from __future__ import annotations
 
 import time
@@ -9,9 +11,8 @@ from ridge.engine.request import Logprob, Request, Sequence
 
 
 class Committer:
-    def __init__(self, max_model_len: int, eos_ids: list[int], detokenizer, scheduler):
-        self.max_model_len, self.eos_ids = max_model_len, eos_ids
-        self.detokenizer, self.scheduler = detokenizer, scheduler
+    def __init__(self, max_model_len: int, eos_ids: list[int], tokenizer, scheduler):
+        self.max_model_len, self.eos_ids, self.tokenizer, self.scheduler = max_model_len, eos_ids, tokenizer, scheduler
         self.generation_tokens = 0
 
     def commit(self, seqs: list[Sequence], tokens: list[int], info,
@@ -40,11 +41,9 @@ class Committer:
                 del seq.token_ids[length:]          # a later step's placeholder, if one was launched
                 seq.num_pending = 0
                 self.scheduler.finish(seq, reason)
+                req.finished_time = now if req.is_finished else None
             touched[req.request_id] = req
             self.generation_tokens += 1
-        for req in touched.values():
-            if req.is_finished:
-                req.finished_time = now
         return list(touched.values())
 
     def finish_reason(self, seq: Sequence, tok: int, length: int) -> str | None:
@@ -55,7 +54,7 @@ class Committer:
             return "stop"     # min_tokens is enforced by banning these tokens until then
         if seq.detokenizer is not None:
             before = len(seq.text)
-            seq.text += self.detokenizer.step(seq.detokenizer, tok)
+            seq.text += seq.detokenizer.step(self.tokenizer.backend_tokenizer, tok) or ""
             if params.stop_strings and num_output >= params.min_tokens:
                 # a stop string can only end inside the new piece: search from just before it
                 start = max(0, before - max(map(len, params.stop_strings)) + 1)
@@ -69,7 +68,7 @@ class Committer:
 
     def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
         chosen, rank, top_v, top_i = info
-        decode = self.detokenizer.token_text if self.detokenizer is not None else (lambda t: None)
+        decode = self.tokenizer.convert_ids_to_tokens if self.tokenizer is not None else (lambda t: None)
         entry = {tok: Logprob(float(chosen[i]), int(rank[i]), decode(tok))}
         if k:
             for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):

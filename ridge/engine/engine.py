@@ -1,12 +1,10 @@
-"""The engine: queues requests and runs the step loop.
+"""The engine: queues requests and runs the step loop,
 
     step = schedule -> prepare + forward (runner) -> sample -> commit
 
-Everything a step calls lives in its own module: intake (validation, tokenization), scheduler
-and pages (who runs, where their KV lives), the runner (batch, forward, sampling), commit
-(tokens, stops, logprobs) and overlap (decode steps launched before the previous step's ids
-are read back). This file only wires them together.
-"""
+wiring together modules of their own: intake (validation, tokenization), scheduler and pages
+(who runs, where their KV lives), the runner, commit (tokens, stops, logprobs) and overlap
+(decode steps launched before the previous step's ids are read back)."""
 from __future__ import annotations
 
 import time
@@ -14,9 +12,8 @@ from dataclasses import dataclass
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
-from ridge.engine.detokenizer import Detokenizer
 from ridge.engine.intake import Intake
-from ridge.engine.overlap import DecodeOverlap, overlappable
+from ridge.engine.overlap import DecodeOverlap
 from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, RequestOutput
 from ridge.engine.sampling_params import SamplingParams
@@ -36,37 +33,28 @@ class EngineStats:
     generation_tokens: int         # tokens sampled
     num_decode_steps: int          # steps served by the static decode path (CUDA graphs where captured)
     num_overlapped_steps: int      # of which launched before the previous step's ids were read back
-
-    @property
-    def overlap_fraction(self) -> float | None:
-        return self.num_overlapped_steps / self.num_decode_steps if self.num_decode_steps else None
+    overlap_fraction = property(lambda self: self.num_overlapped_steps / self.num_decode_steps
+                                if self.num_decode_steps else None)
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None):
-        self.cfg, self.model_cfg, self.runner = cfg, model_cfg, runner
-        self.tokenizer = tokenizer
-        detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.intake = Intake(cfg, model_cfg, tokenizer, detokenizer, self.pages.pages_for)
-        self.committer = Committer(cfg.max_model_len, self.eos_ids, detokenizer, self.scheduler)
+        self.intake = Intake(cfg, model_cfg, tokenizer, self.pages.pages_for)
+        self.committer = Committer(cfg.max_model_len, self.eos_ids, tokenizer, self.scheduler)
         self.overlap = DecodeOverlap(self.scheduler, runner, cfg.max_model_len, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.num_decode_steps = 0
 
-    # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises ValueError naming the bad parameter. A rejected
         request leaves the engine and every accepted request untouched."""
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        req = self.intake.make_request(prompt, params, request_id)
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        req = self.intake.make_request(prompt, params, request_id, self.requests)
         self.requests[req.request_id] = req
         self.scheduler.add(req.seqs[0])
         return req.request_id
@@ -75,7 +63,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort_request(req)
-        self.overlap.drop_if_finished()
+        if self.overlap.inflight is not None and all(s.is_finished for s in self.overlap.inflight.seqs):
+            self.overlap.inflight = None            # every row of the in-flight step ended: nothing to commit
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.overlap.inflight is not None
@@ -83,11 +72,10 @@ class Engine:
     def stats(self) -> EngineStats:
         p = self.pages
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), p.num_pages,
-                           p.num_free_pages, p.usage(), self.scheduler.num_preemptions,
+                           p.num_free_pages, 1.0 - p.num_free_pages / p.num_pages, self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.committer.generation_tokens,
                            self.num_decode_steps, self.overlap.num_overlapped_steps)
 
-    # -- the step loop ---------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
@@ -111,11 +99,10 @@ class Engine:
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
-                and all(overlappable(s.request.params) for s in seqs):
+                and not any(s.request.params.uses_penalties for s in seqs):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
-        if info is not None:
-            info = tuple(t.cpu() if t is not None else None for t in info)
+        info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
         return self._outputs(self.committer.commit(seqs, tokens.tolist(), info), finished_only)
 
     def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:

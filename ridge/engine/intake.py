@@ -7,24 +7,22 @@ from __future__ import annotations
 import itertools
 import random
 
+from tokenizers.decoders import DecodeStream
+
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.request import Request, Sequence, SeqStatus
-from ridge.engine.sampling_params import SamplingParams
+from ridge.engine.sampling_params import SamplingParams, _is_int
 
 
 class Intake:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, detokenizer, pages_for):
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.tokenizer, self.detokenizer = tokenizer, detokenizer
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, pages_for):
+        self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
         self.pages_for = pages_for                      # tokens -> KV pages they occupy
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None,
-                     request_id: str | None) -> Request:
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+                     in_use) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -32,40 +30,6 @@ class Intake:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {type(request_id).__name__}")
         text, token_ids = self.tokenize(prompt)
-        max_tokens = self.check_lengths(token_ids, params)
-        request_id = request_id if request_id is not None else f"req-{self.next_id()}"
-        req = Request(request_id, text, token_ids, params, max_tokens)
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        for j in range(params.n):
-            seq = Sequence(self.next_id(), req, j, list(token_ids), len(token_ids),
-                           seed=sample_seed(base_seed, j),
-                           status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
-                           logprobs=[] if params.logprobs is not None else None,
-                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs and j == 0 else None)
-            if self.detokenizer is not None:
-                seq.detokenizer = self.detokenizer.stream(params.skip_special_tokens)
-            req.seqs.append(seq)
-        return req
-
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model directory has no tokenizer; pass token ids")
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt: must be a string or a list of token ids (integers)")
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
-
-    def check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The request's output budget; raises if the prompt and max_tokens cannot fit."""
         max_len, n_prompt = self.cfg.max_model_len, len(token_ids)
         if n_prompt >= max_len:
             raise ValueError(f"prompt: {n_prompt} tokens leave no room for output within max_model_len={max_len}")
@@ -74,18 +38,47 @@ class Intake:
         if max_tokens > room:
             raise ValueError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
                              f"(max_model_len={max_len}, prompt={n_prompt})")
-        pages = self.pages_for(n_prompt + max_tokens)
-        if pages > self.cfg.num_pages:
+        if (pages := self.pages_for(n_prompt + max_tokens)) > self.cfg.num_pages:
             raise ValueError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} KV pages, "
                              f"but the cache holds {self.cfg.num_pages}")
-        return max_tokens
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in in_use:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        req = Request(request_id, text, token_ids, params, max_tokens)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        for j in range(params.n):
+            # sample j draws from its own stream; sample 0 uses the request's seed itself
+            seed = base_seed if j == 0 else random.Random(base_seed * 1_000_003 + j).getrandbits(63)
+            seq = Sequence(next(self._ids), req, j, list(token_ids), len(token_ids), seed=seed,
+                           status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
+                           logprobs=[] if params.logprobs is not None else None,
+                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs and j == 0 else None)
+            if self.tokenizer is not None:      # emits text once a whole UTF-8 piece is known
+                seq.detokenizer = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+            req.seqs.append(seq)
+        return req
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None and self.tokenizer is None:
+            raise ValueError("prompt: this model directory has no tokenizer; pass token ids")
+        if text is None and (not isinstance(prompt, (list, tuple)) or not all(map(_is_int, prompt))):
+            raise ValueError("prompt: must be a string or a list of token ids (integers)")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if text is not None:
+            return text, list(self.tokenizer(text)["input_ids"])
+        vocab = self.model_cfg.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
 
 
 def prompt_list(prompts) -> list:
     """`LLM.generate`'s prompts as a list: one prompt (a string or token ids) or a list of them.
     Each prompt itself is checked when its request is made."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts: expected a string, a list of token ids or a list of those, "
@@ -114,16 +107,6 @@ def sampling_list(params, count: int) -> list[SamplingParams]:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def conversation_list(messages) -> list[list[dict]]:
-    """`LLM.chat`'s argument as a list of conversations: one conversation or a list of them."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
-                         "(or a list of such lists)")
-    if all(isinstance(m, (list, tuple)) for m in messages):
-        return [check_messages(conv) for conv in messages]
-    return [check_messages(messages)]
-
-
 def check_messages(messages) -> list[dict]:
     """One conversation checked and put in the form chat templates read: each message a dict with a
     known role and string content; OpenAI text-part content ([{"type": "text", "text": ...}]) is
@@ -132,31 +115,22 @@ def check_messages(messages) -> list[dict]:
         raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages")
     out = []
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: expected a dict with 'role' and 'content', got {type(m).__name__}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise ValueError(f"{where}: missing '{key}'")
+            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
+        missing = next((key for key in ("role", "content") if key not in m), None)
+        if missing:
+            raise ValueError(f"messages[{i}]: missing '{missing}'")
         if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
-        out.append({**m, "content": _content_text(m["content"], f"{where}.content")})
+            raise ValueError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        content = m["content"]
+        if isinstance(content, (list, tuple)):
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ValueError(f"messages[{i}].content[{j}]: a part must be {{'type': 'text', 'text': "
+                                     f"<string>}}, got {part!r}")
+            content = "".join(part["text"] for part in content)
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: must be a string or a list of text parts, "
+                             f"got {type(content).__name__}")
+        out.append({**m, "content": content})
     return out
-
-
-def _content_text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, (list, tuple)):
-        raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
-    texts = []
-    for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"{where}[{j}]: a part must be {{'type': 'text', 'text': <string>}}, got {part!r}")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def sample_seed(base: int, index: int) -> int:
-    """Sample j of a request draws from its own stream; sample 0 uses the request's seed itself."""
-    return base if index == 0 else random.Random(base * 1_000_003 + index).getrandbits(63)

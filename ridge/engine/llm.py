@@ -6,11 +6,12 @@ import inspect
 import os
 
 import torch
+import triton
 from tqdm.auto import tqdm
 
 from ridge.config import EngineConfig, ModelConfig, parse_dtype
 from ridge.engine.engine import Engine
-from ridge.engine.intake import check_messages, conversation_list, prompt_list, sampling_list
+from ridge.engine.intake import check_messages, prompt_list, sampling_list
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.runner.model_runner import ModelRunner
@@ -34,58 +35,34 @@ def load_tokenizer(path: str):
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device: expected auto, cpu or cuda, got {device!r}") from None
+    """A `device` setting (as EngineConfig checked it) on this machine."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected auto, cpu or cuda, got {device!r}")
     return dev
 
 
 def _resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
+    except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes)."""
     if dtype != "auto":
         return parse_dtype(dtype)
-    # CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
-    # except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes).
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype
+    ckpt = model_cfg.checkpoint_dtype
+    return torch.float32 if device.type == "cpu" else torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
 def _kv_budget(cfg: EngineConfig) -> int:
     """Bytes for the KV pool, measured after the model is loaded."""
-    device = cfg.device
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if cfg.kv_cache_memory is not None:
         return cfg.kv_cache_memory
+    if cfg.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(cfg.device)
+    else:
+        free, total = (os.sysconf(n) * os.sysconf("SC_PAGE_SIZE") for n in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"))
     if cfg.gpu_memory_utilization is not None:
         # what the fraction of the whole device leaves once everything now in use is counted
         return int(cfg.gpu_memory_utilization * total) - (total - free)
-    return int(0.85 * free) if device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
-
-
-def _check_backend(name: str, device: torch.device) -> None:
-    """The Triton kernels run on a CUDA device (on a CPU only under Triton's interpreter, for tests);
-    say so now rather than fail inside the first launch."""
-    if name != "triton" or device.type == "cuda":
-        return
-    try:
-        import triton
-        interpreted = bool(triton.knobs.runtime.interpret)
-    except (ImportError, AttributeError):
-        interpreted = False
-    if not interpreted:
-        raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {device} "
-                         f"(use attention_backend='torch' or 'auto')")
+    return int(0.85 * free) if cfg.device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
 
 
 class LLM:
@@ -107,7 +84,10 @@ class LLM:
         if not 1 < max_len <= limit:
             raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
                              f"got {cfg.max_model_len!r}")
-        _check_backend(cfg.attention_backend, dev)
+        if cfg.attention_backend == "triton" and dev.type != "cuda" and not triton.knobs.runtime.interpret:
+            # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
+            raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
+                             f"(use attention_backend='torch' or 'auto')")
         cfg = dataclasses.replace(cfg, model=path, device=dev, dtype=_resolve_dtype(cfg.dtype, model_cfg, dev),
                                   max_model_len=max_len)
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
@@ -142,7 +122,10 @@ class LLM:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this checkpoint has no chat template")
-        conversations = conversation_list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
+                             "(or a list of such lists)")
+        conversations = messages if all(isinstance(m, (list, tuple)) for m in messages) else [messages]
         sampling_list(sampling_params, len(conversations))
         prompts = [self.chat_prompt_ids(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -168,14 +151,10 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _signature() -> inspect.Signature:
-    """`LLM(model=None, *, <every EngineConfig setting>, show_progress=True)`, for help() and editors."""
-    P = inspect.Parameter
-    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("model", P.POSITIONAL_OR_KEYWORD, default=None)]
-    params += [P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f, _, _ in setting_fields(EngineConfig) if f.name != "model"]
-    params.append(P("show_progress", P.KEYWORD_ONLY, default=True, annotation="bool"))
-    return inspect.Signature(params)
-
-
-LLM.__init__.__signature__ = _signature()
+# LLM(model=None, *, <every EngineConfig setting>, show_progress=True), for help() and editors
+_P = inspect.Parameter
+LLM.__init__.__signature__ = inspect.Signature([
+    _P("self", _P.POSITIONAL_OR_KEYWORD), _P("model", _P.POSITIONAL_OR_KEYWORD, default=None),
+    *(_P(f.name, _P.KEYWORD_ONLY, default=f.default, annotation=f.type)
+      for f, _, _ in setting_fields(EngineConfig) if f.name != "model"),
+    _P("show_progress", _P.KEYWORD_ONLY, default=True, annotation="bool")])

@@ -1,18 +1,14 @@
 """Overlapped decode (async scheduling): keep the GPU busy while the host commits tokens.
 
-Reading a step's sampled ids back makes the host wait for the GPU, and the next step's host
-work (scheduling, batch building, launching) then leaves the GPU idle. So a decode step whose
-rows need nothing from the host but their ids leaves the ids on the GPU: the host's token lists
-get placeholders (PENDING, counted by `Sequence.num_pending`), and the ids and the sampler's
-log-probability tensors start copying into pinned host memory. On the engine's next step the
-following decode step is scheduled and launched first, its input ids gathered on the device,
-and only then does the host wait for the earlier ids and commit them: the wait overlaps the
-step just launched.
-
-A sequence that the earlier token finishes (a stop token, a stop string) has had one extra
-token computed; it is discarded. Sequences the earlier token finishes by length are known in
-advance and left out. Penalties read the host's token history, so rows using them run
-synchronously; so does any step that must admit, preempt or fork (the regular schedule).
+Reading sampled ids back makes the host wait for the GPU, whose next step then waits for the
+host. So a decode step whose rows need nothing from the host but their ids leaves them on the
+GPU: token lists get placeholders (PENDING, counted by `Sequence.num_pending`) while ids and
+logprob tensors copy to pinned host memory. The next engine step first launches the following
+decode step (its input ids gathered on the device), then waits for the earlier ids and commits
+them, overlapping the step just launched. A sequence the earlier token stops (stop token or
+string) has had one extra token computed, which is discarded; one it ends by length is known and
+left out. Penalties read the host's token history, so rows using them run synchronously, as does
+any step that must admit, preempt or fork (the regular schedule).
 """
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from ridge.engine.request import Sequence, SeqStatus
-from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import Scheduler, SchedulerOutput
 
 PENDING = -1    # a token id still on the GPU
@@ -39,15 +34,9 @@ class InflightStep:
     sched: SchedulerOutput            # advanced (pages registered) once the ids before it are known
 
 
-def overlappable(params: SamplingParams) -> bool:
-    """Sampling that needs no host-side token history."""
-    return not params.uses_penalties
-
-
 class DecodeOverlap:
     def __init__(self, scheduler: Scheduler, runner, max_model_len: int, eos_ids: list[int]):
-        self.scheduler, self.runner = scheduler, runner
-        self.max_model_len, self.eos_ids = max_model_len, eos_ids
+        self.scheduler, self.runner, self.max_model_len, self.eos_ids = scheduler, runner, max_model_len, eos_ids
         self.inflight: InflightStep | None = None
         self.num_overlapped_steps = 0     # decode steps launched before the previous step's ids were read
 
@@ -55,18 +44,16 @@ class DecodeOverlap:
         if info is not None:              # queued before the tokens' copy, whose event then covers them
             info = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in info)
         host, done = self.runner.tokens_to_host(tokens)
-        indices = []
+        indices = [len(seq.token_ids) for seq in seqs]
         for seq in seqs:
-            indices.append(len(seq.token_ids))
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
         self.inflight = InflightStep(seqs, tokens, host, info, done, indices, sched)
 
     def launch_ahead(self) -> InflightStep | None:
-        """Take the in-flight step, first launching the decode step after it if that can be
-        decided now: only when its sequences are all that runs and no waiting request could be
-        admitted (admission and preemption need the regular schedule), and without the sequences
-        its token ends by length. Returns the step taken; the step launched is in flight."""
+        """Take the in-flight step, first launching the next decode step (without the sequences
+        the taken step ends by length) if its sequences are all that runs and no waiting request
+        could be admitted (which needs the regular schedule). The step launched is in flight."""
         prev, self.inflight = self.inflight, None
         sched = self.scheduler
         live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]
@@ -83,8 +70,3 @@ class DecodeOverlap:
         self.leave_on_device(seqs, tokens, info, step)
         self.num_overlapped_steps += 1
         return prev
-
-    def drop_if_finished(self) -> None:
-        """After an abort: nothing is left to commit if every row of the in-flight step ended."""
-        if self.inflight is not None and all(s.is_finished for s in self.inflight.seqs):
-            self.inflight = None

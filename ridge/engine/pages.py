@@ -1,14 +1,12 @@
-"""The page allocator of the paged KV cache.
-
-The cache is one pool of `num_pages` pages of `page_size` token slots, allocated once. A
-sequence's page table maps its logical pages to physical ones. Pages are reference counted:
+"""The page allocator of the paged KV cache: one pool of `num_pages` pages of `page_size` token
+slots, allocated once; a sequence's page table maps its logical pages to physical ones. Pages are
+reference counted:
   - prefix caching: a full page is named by a hash chained from its parent page's hash and its
     own tokens; a later request whose prompt starts with the same tokens takes the same pages;
-  - forked samples (n > 1) share the prompt's pages; a shared page about to be written is
-    copied first (copy-on-write), the copy queued for the runner to perform on the device.
-A page whose count drops to zero goes to the back of the free queue but keeps its hash, so it
-can still be hit until it is reused (least recently freed is reused first).
-"""
+  - forked samples (n > 1) share the prompt's pages; a shared page about to be written is copied
+    first (copy-on-write), the copy queued for the runner to perform on the device.
+A page whose count drops to zero goes to the back of the free queue but keeps its hash, so it can
+still be hit until it is reused (least recently freed is reused first)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,34 +17,23 @@ from ridge.engine.request import Sequence
 
 
 def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
-    h = hashlib.sha256(parent or b"")
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool):
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_pages, self.page_size, self.enable_prefix_caching = num_pages, page_size, enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_pages))
         self.cached: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
-    # -- accounting -------------------------------------------------------------------------
-    @property
-    def num_free_pages(self) -> int:
-        return len(self.free_queue)
+    num_free_pages = property(lambda self: len(self.free_queue))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free_pages / self.num_pages
-
-    # -- prefix caching -----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached pages holding the sequence's leading full pages. At least one token is left
         to compute, since its logits are needed to sample."""
@@ -74,7 +61,6 @@ class PageAllocator:
                 self.cached[h] = page
                 self.page_hash[page] = h
 
-    # -- allocation ---------------------------------------------------------------------------
     def pages_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Fresh pages to hold `num_new_tokens` more tokens: new pages, copies of shared pages
         that will be written, and cached hits that must come out of the free queue."""
@@ -82,9 +68,8 @@ class PageAllocator:
         start = seq.num_computed_tokens or len(hits) * self.page_size
         end = start + num_new_tokens
         needed = max(0, self.pages_for(end) - len(table))
-        for i in range(start // self.page_size, min(len(table), self.pages_for(end))):
-            if self.ref_counts[table[i]] > 1:
-                needed += 1
+        needed += sum(self.ref_counts[table[i]] > 1 for i in range(start // self.page_size,
+                                                                   min(len(table), self.pages_for(end))))
         if not seq.page_table:
             needed += sum(1 for b in hits if self.ref_counts[b] == 0)
         return needed
@@ -93,9 +78,8 @@ class PageAllocator:
         assert not seq.page_table
         for b in hits:
             self._ref(b)
-        seq.page_table = list(hits)
+        seq.page_table, seq.page_hashes = list(hits), [self.page_hash[b] for b in hits]
         seq.num_computed_tokens = len(hits) * self.page_size
-        seq.page_hashes = [self.page_hash[b] for b in hits]
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make pages for tokens [num_computed, num_computed + num_new_tokens) exist and be
@@ -114,31 +98,25 @@ class PageAllocator:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for b in parent.page_table:
             self._ref(b)
-        child.page_table = list(parent.page_table)
-        child.page_hashes = list(parent.page_hashes)
+        child.page_table, child.page_hashes = list(parent.page_table), list(parent.page_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         # Tail pages first into the queue, so a sequence's prefix outlives its tail in the cache.
         for b in reversed(seq.page_table):
             self._unref(b)
-        seq.page_table = []
-        seq.page_hashes = []
-        seq.num_computed_tokens = 0
+        seq.page_table, seq.page_hashes, seq.num_computed_tokens = [], [], 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    # -- internals ----------------------------------------------------------------------------
     def _pop_free(self) -> int:
         page, _ = self.free_queue.popitem(last=False)
         h = self.page_hash[page]
-        if h is not None:                                   # evict from the prefix cache
-            if self.cached.get(h) == page:
-                del self.cached[h]
-            self.page_hash[page] = None
-        self.ref_counts[page] = 1
+        if h is not None and self.cached.get(h) == page:    # evict from the prefix cache
+            del self.cached[h]
+        self.page_hash[page], self.ref_counts[page] = None, 1
         return page
 
     def _ref(self, page: int) -> None:

@@ -48,26 +48,10 @@ class Sequence:
     # GPU (the engine's overlapped decode); they count as tokens for scheduling and sampling.
     num_pending: int = 0
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def known_output_token_ids(self) -> list[int]:
-        """Output ids whose values are on the host (pending placeholders left out)."""
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SeqStatus.FINISHED
+    output_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
+    num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
+    num_tokens = property(lambda self: len(self.token_ids))
+    is_finished = property(lambda self: self.status == SeqStatus.FINISHED)
 
 
 @dataclass
@@ -82,10 +66,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+    is_finished = property(lambda self: all(s.is_finished for s in self.seqs))
 
 
 @dataclass
@@ -119,8 +100,10 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
-        outs = [CompletionOutput(s.sample_index, s.text, s.known_output_token_ids, s.finish_reason,
-                                 list(s.logprobs) if s.logprobs is not None else None) for s in req.seqs]
+        # the output ids whose values are on the host (pending placeholders left out)
+        outs = [CompletionOutput(s.sample_index, s.text, s.token_ids[s.num_prompt_tokens:s.num_tokens - s.num_pending],
+                                 s.finish_reason, list(s.logprobs) if s.logprobs is not None else None)
+                for s in req.seqs]
         prompt_lps = req.seqs[0].prompt_logprobs
         return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished,
                    list(prompt_lps) if prompt_lps is not None else None,

@@ -26,72 +26,53 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     prompt_logprobs: bool = False    # log p(prompt token | tokens before it), for scoring text
-    _stop: list[str] = field(init=False, repr=False, default_factory=list)
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)   # `stop` as a list
 
     def __post_init__(self):
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
-        self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.validate()
 
-    @property
-    def stop_strings(self) -> list[str]:
-        return self._stop
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Sampling reads the sequence's earlier tokens (presence, frequency or repetition penalty)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    greedy = property(lambda self: self.temperature == 0.0)
+    # sampling reads the sequence's earlier tokens (presence, frequency or repetition penalty)
+    uses_penalties = property(lambda self: bool(self.presence_penalty or self.frequency_penalty
+                                                or self.repetition_penalty != 1.0))
 
     def validate(self, max_n: int | None = None) -> None:
-        def bad(param, why):
-            raise ValueError(f"{param}: {why}")
+        def need(ok, name, rule, got=None):
+            if not ok:
+                raise ValueError(f"{name}: {rule}, got {repr(getattr(self, name)) if got is None else got}")
 
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if max_n is not None and self.n > max_n:
-            bad("n", f"must be <= {max_n} (the engine's max_n and max_num_seqs), got {self.n}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**63:
-            bad("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
-            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
-        for s in self._stop:
-            if not isinstance(s, str):
-                bad("stop", f"stop strings must be strings, got {type(s).__name__}")
+        mt, mn, lp, ids = self.max_tokens, self.min_tokens, self.logprobs, self.stop_token_ids
+        need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(max_n is None or self.n <= max_n, "n", f"must be <= {max_n} (the engine's max_n and max_num_seqs)")
+        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(_is_int(self.top_k) and -1 <= self.top_k < 2**63, "top_k",
+             "must be -1 (off), 0 (off) or a positive integer")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(mt is None or _is_int(mt) and mt >= 1, "max_tokens", "must be an integer >= 1")
+        need(_is_int(mn) and mn >= 0, "min_tokens", "must be an integer >= 0")
+        need(mt is None or mn <= mt, "min_tokens", f"must be <= max_tokens ({mt})")
+        need(self.seed is None or _is_int(self.seed) and -2**63 <= self.seed < 2**63, "seed",
+             "must be a 64-bit integer")
+        for s in self.stop_strings:
+            need(isinstance(s, str), "stop", "stop strings must be strings", type(s).__name__)
             if s == "":
-                bad("stop", "stop strings must not be empty")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            bad("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
-        for t in self.stop_token_ids or []:
-            if not _is_int(t) or t < 0:
-                bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+                raise ValueError("stop: stop strings must not be empty")
+        need(ids is None or isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of token ids",
+             type(ids).__name__)
+        for t in ids or []:
+            need(_is_int(t) and t >= 0, "stop_token_ids", "must be non-negative integers", repr(t))
+        need(lp is None or _is_int(lp) and 0 <= lp <= MAX_LOGPROBS, "logprobs",
+             f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "prompt_logprobs"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, f"must be true or false, got {getattr(self, name)!r}")
+            need(isinstance(getattr(self, name), bool), name, "must be true or false")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
-                bad(name, f"must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
+            need(_is_number(v := getattr(self, name)) and -2 <= v <= 2, name, "must be in [-2, 2]")
+        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "must be a finite number > 0")
 
 
 def _is_int(x) -> bool:

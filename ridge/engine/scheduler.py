@@ -1,15 +1,13 @@
 """Continuous batching: each step picks which sequences run and how many tokens each computes.
 
-Policy, per step, under a token budget (`max_num_batched_tokens`) and a seat limit
-(`max_num_seqs`):
-  1. running sequences first, oldest first: a decode needs one token; an unfinished prefill
-     takes its next chunk of the budget. If the pool has no page for one, the most recently
-     admitted running sequence is preempted (its pages freed; it is recomputed later, which
-     gives the same output) until the pages are there;
+Policy, per step, under a token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
+  1. running sequences first, oldest first: a decode needs one token, an unfinished prefill its
+     next chunk of the budget. If the pool has no page for one, the most recently admitted running
+     sequence is preempted (pages freed; recomputed later, to the same output) until there is;
   2. then waiting sequences, in arrival order (preempted ones first), each starting after its
-     prefix-cache hits, as long as budget, seats and pages last. A long prompt is admitted with
-     as much of it as the budget allows and continues next step (chunked prefill), so it shares
-     steps with the running decodes instead of stalling them.
+     prefix-cache hits, while budget, seats and pages last. A long prompt is admitted with as much
+     as the budget allows and continues next step (chunked prefill), sharing steps with the running
+     decodes instead of stalling them.
 """
 from __future__ import annotations
 
@@ -24,15 +22,9 @@ from ridge.engine.request import Request, Sequence, SeqStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    start = property(lambda self: self.seq.num_computed_tokens)
+    # the chunk reaches the end of the sequence, so its last logits are sampled
+    samples = property(lambda self: self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
 
 
 @dataclass
@@ -41,16 +33,10 @@ class SchedulerOutput:
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pages = pages
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pages, self.max_num_seqs, self.max_num_batched_tokens = pages, max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,21 +51,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while self.pages.pages_needed(seq, n) > self.pages.num_free_pages:
-                victim = self.running[-1]
-                self._preempt(victim, out)
+                victim = self.running.pop()
+                self.pages.free(victim)
+                victim.status = SeqStatus.WAITING
+                self.waiting.appendleft(victim)
+                out.preempted.append(victim)
+                self.num_preemptions += 1
                 if victim is seq:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break
             self.pages.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
-            scheduled_ids.add(seq.seq_id)
             budget -= n
             i += 1
         if not out.preempted:
@@ -123,30 +111,20 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self.pages.free(seq)
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        self.num_preemptions += 1
-
     def fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Which sequence each sampled token goes to, and the logits row it is drawn from. A
         request's first sample forks its other samples here: they share the prompt's pages
         (copy-on-write) and draw from the same logits row, and run on their own from now on."""
         seqs, rows = [], []
         for row, seq in enumerate(sampling):
-            seqs.append(seq)
-            rows.append(row)
-            if seq.sample_index == 0 and seq.num_output_tokens == 0:
-                for child in seq.request.seqs[1:]:
-                    if child.status == SeqStatus.UNBORN:
-                        self.pages.fork(seq, child)
-                        child.status = SeqStatus.RUNNING
-                        self.running.append(child)
-                        seqs.append(child)
-                        rows.append(row)
+            born = [c for c in seq.request.seqs[1:] if c.status == SeqStatus.UNBORN] \
+                if seq.sample_index == 0 and seq.num_output_tokens == 0 else []
+            for child in born:
+                self.pages.fork(seq, child)
+                child.status = SeqStatus.RUNNING
+            self.running += born
+            seqs += [seq, *born]
+            rows += [row] * (1 + len(born))
         return seqs, rows
 
     def finish(self, seq: Sequence, reason: str) -> None:

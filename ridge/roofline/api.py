@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ridge.config import ModelConfig
+from ridge.config import EngineConfig, ModelConfig
 from ridge.roofline.ceilings import load_ceilings
 from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
@@ -34,7 +34,7 @@ def build_llm(model: str | None, batches, context: int, prefill_len: int, prefil
         raise ValueError(f"context/prefill_len: {need_len} tokens exceed the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     kw = dict(engine_kwargs)
-    device = _resolve_device(kw.pop("device", "auto") or "auto")
+    device = _resolve_device(EngineConfig(device=kw.pop("device", "auto") or "auto").device)   # checked as set
     dtype = _resolve_dtype(kw.pop("dtype", "auto") or "auto", cfg, device)
     bs = kw.pop("page_size", None) or 16
     max_b = max(batches, default=0)
@@ -93,7 +93,7 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
         # The ceilings first: their copy and matmul buffers (a few GiB on a GPU) must fit before the
         # engine takes its weights and KV pool.
         from ridge.engine.llm import _resolve_device
-        ceilings = load_ceilings(_resolve_device(device), remeasure=remeasure)
+        ceilings = load_ceilings(_resolve_device(EngineConfig(device=device).device), remeasure=remeasure)
         llm = build_llm(model, batches, context, prefill_len, prefill_batch,
                         **dict(engine_kwargs or {}, device=device, dtype=dtype))
     else:
