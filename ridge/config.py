@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -226,3 +227,65 @@ class EngineConfig:
     def as_kwargs(self) -> dict:
         """The settings as keyword arguments (for `LLM(**cfg.as_kwargs())`)."""
         return {name: getattr(self, name) for name in settings.names(self)}
+
+    def resolve(self) -> tuple["EngineConfig", ModelConfig]:
+        """This config against its checkpoint and this machine: `model` a directory, `device` and
+        `dtype` torch objects, `max_model_len` a number within the model's limit."""
+        import triton
+        path = model_dir(self.model)
+        model_cfg = ModelConfig.from_dir(path)
+        dev = resolve_device(self.device)
+        limit = model_cfg.max_position_embeddings
+        max_len = self.max_model_len or limit
+        if max_len > limit:
+            raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
+                             f"got {max_len}")
+        if self.attention_backend == "triton" and dev.type != "cuda" and not triton.knobs.runtime.interpret:
+            # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
+            raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
+                             f"(use attention_backend='torch' or 'auto')")
+        return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
+                                   max_model_len=max_len), model_cfg
+
+    def kv_budget(self) -> int:
+        """Bytes for the KV pool of a resolved config, measured after the model is loaded."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+        else:
+            free, total = (os.sysconf(n) * os.sysconf("SC_PAGE_SIZE") for n in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"))
+        if self.gpu_memory_utilization is not None:
+            # what the fraction of the whole device leaves once everything now in use is counted
+            return int(self.gpu_memory_utilization * total) - (total - free)
+        return int(0.85 * free) if self.device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
+
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def model_dir(model: str | None) -> str:
+    """The checkpoint directory a `model` setting names (None: the demo model bundled with ridge)."""
+    if model is None:
+        from ridge.assets import demo_model_path
+        model = demo_model_path()
+    if not os.path.isdir(model):
+        raise ValueError(f"model: {model!r} is not a directory (ridge loads local HF checkpoint directories)")
+    return model
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A `device` setting (as EngineConfig checked it) on this machine."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
+    except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes)."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    ckpt = model_cfg.checkpoint_dtype
+    return torch.float32 if device.type == "cpu" else torch.bfloat16 if ckpt == torch.float32 else ckpt

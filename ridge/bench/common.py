@@ -141,13 +141,9 @@ def overlap(stats0, stats1) -> dict:
 def resolve_max_model_len(model: str | None, max_model_len: int | None):
     """(the max_model_len LLM(...) will use, the ModelConfig), read from config.json alone, so that a
     benchmark rejects impossible lengths before it spends time loading weights."""
-    from ridge.config import ModelConfig
-    from ridge.engine.llm import default_model_path
+    from ridge.config import ModelConfig, model_dir
 
-    path = model if model is not None else default_model_path()
-    if not os.path.isdir(path):
-        raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
-    model_cfg = ModelConfig.from_dir(path)
+    model_cfg = ModelConfig.from_dir(model_dir(model))
     limit = model_cfg.max_position_embeddings
     if max_model_len is not None and not 1 < max_model_len <= limit:
         raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "

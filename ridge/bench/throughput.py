@@ -28,7 +28,7 @@ from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, ove
                                 sync, write_json)
 from ridge.bench.datasets import (BenchRequest, RandomPrompts, check_range, load_sharegpt, special_token_ids,
                                   synthetic_requests)
-from ridge.config import EngineConfig
+from ridge.config import EngineConfig, model_dir
 
 WARMUP_MAX_OUTPUT = 16
 
@@ -236,12 +236,12 @@ def cmd_throughput(a: argparse.Namespace) -> int:
     from ridge import LLM
 
     engine = settings.from_args(EngineConfig, a)         # bad engine flags stop here, before anything loads
-    from ridge.engine.llm import default_model_path, load_tokenizer
+    from ridge.engine.llm import load_tokenizer
 
     max_len, model_cfg = resolve_max_model_len(a.model, a.max_model_len)
     if a.dataset is None:
         length_ranges(a)                       # reject bad ranges before anything loads
-    tokenizer = load_tokenizer(a.model if a.model is not None else default_model_path())
+    tokenizer = load_tokenizer(model_dir(a.model))
     requests, source = build_requests(a, model_cfg, tokenizer, max_len)
     llm = LLM(show_progress=not a.no_progress, **engine.as_kwargs())
     r = run_throughput(llm, requests, a.temperature, a.ignore_eos, a.warmup_prompts, a.seed, progress=not a.no_progress)

@@ -1,29 +1,18 @@
 """`LLM`: the offline Python API (the shape vLLM users know)."""
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 
-import torch
-import triton
 from tqdm.auto import tqdm
 
-from ridge.config import EngineConfig, ModelConfig, parse_dtype
+from ridge.config import EngineConfig
 from ridge.engine.engine import Engine
 from ridge.engine.intake import check_messages, prompt_list, sampling_list
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.runner.model_runner import ModelRunner
 from ridge.settings import fields as setting_fields
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
-
-
-def default_model_path() -> str:
-    """The demo checkpoint bundled with ridge."""
-    from ridge.assets import demo_model_path
-    return demo_model_path()
 
 
 def load_tokenizer(path: str):
@@ -34,71 +23,24 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    """A `device` setting (as EngineConfig checked it) on this machine."""
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
-    return dev
-
-
-def _resolve_dtype(dtype: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: CPUs run float32 fastest and most exactly; on a GPU the checkpoint's own dtype is used,
-    except that float32 checkpoints run in bfloat16 (tensor cores, half the bytes)."""
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    ckpt = model_cfg.checkpoint_dtype
-    return torch.float32 if device.type == "cpu" else torch.bfloat16 if ckpt == torch.float32 else ckpt
-
-
-def _kv_budget(cfg: EngineConfig) -> int:
-    """Bytes for the KV pool, measured after the model is loaded."""
-    if cfg.kv_cache_memory is not None:
-        return cfg.kv_cache_memory
-    if cfg.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(cfg.device)
-    else:
-        free, total = (os.sysconf(n) * os.sysconf("SC_PAGE_SIZE") for n in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"))
-    if cfg.gpu_memory_utilization is not None:
-        # what the fraction of the whole device leaves once everything now in use is counted
-        return int(cfg.gpu_memory_utilization * total) - (total - free)
-    return int(0.85 * free) if cfg.device.type == "cuda" else min(DEFAULT_CPU_KV_BYTES, free // 4)
-
-
 class LLM:
     """The offline engine. `LLM(model, **settings)` takes exactly the fields of
     `ridge.config.EngineConfig` (see `ridge.settings.describe(EngineConfig)`); every value is
     checked before anything is loaded and a bad one raises ValueError naming it."""
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **settings):
-        cfg = EngineConfig.from_kwargs(model=model, **settings)
-        path = cfg.model if cfg.model is not None else default_model_path()
-        if not os.path.isdir(path):
-            raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
         if not isinstance(show_progress, bool):
             raise ValueError(f"show_progress: must be true or false, got {show_progress!r}")
-        model_cfg = ModelConfig.from_dir(path)
-        dev = _resolve_device(cfg.device)
-        limit = model_cfg.max_position_embeddings
-        max_len = cfg.max_model_len or limit
-        if not 1 < max_len <= limit:
-            raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's max_position_embeddings), "
-                             f"got {cfg.max_model_len!r}")
-        if cfg.attention_backend == "triton" and dev.type != "cuda" and not triton.knobs.runtime.interpret:
-            # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
-            raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
-                             f"(use attention_backend='torch' or 'auto')")
-        cfg = dataclasses.replace(cfg, model=path, device=dev, dtype=_resolve_dtype(cfg.dtype, model_cfg, dev),
-                                  max_model_len=max_len)
+        cfg, model_cfg = EngineConfig.from_kwargs(model=model, **settings).resolve()
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
-        cfg.num_pages = max(_kv_budget(cfg), 0) // runner.kv_bytes_per_page()
+        cfg.num_pages = max(cfg.kv_budget(), 0) // runner.kv_bytes_per_page()
         if cfg.num_pages < 1:
             name = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
             raise ValueError(f"{name}: too small to hold a single KV page")
         runner.allocate_kv_cache(cfg.num_pages)
         runner.warm_up_prefill()
         runner.setup_decode(use_graphs=not cfg.enforce_eager)
-        self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(path))
+        self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ridge.config import EngineConfig, ModelConfig
+from ridge.config import EngineConfig, ModelConfig, model_dir, resolve_device, resolve_dtype
 from ridge.roofline.ceilings import load_ceilings
 from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
@@ -23,19 +23,15 @@ def build_llm(model: str | None, batches, context: int, prefill_len: int, prefil
     enough for the largest step (steps run one after another). Prefix caching is off so that a
     prefill computes every token it is given."""
     from ridge import LLM
-    from ridge.engine.llm import _resolve_device, _resolve_dtype, default_model_path
-
-    path = model if model is not None else default_model_path()
-    if not os.path.isdir(path):
-        raise ValueError(f"model: {path!r} is not a directory (ridge loads local HF checkpoint directories)")
+    path = model_dir(model)
     cfg = ModelConfig.from_dir(path)
     need_len = max(context if batches else 2, prefill_len + 1 if prefill_len else 2)
     if need_len > cfg.max_position_embeddings:
         raise ValueError(f"context/prefill_len: {need_len} tokens exceed the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     kw = dict(engine_kwargs)
-    device = _resolve_device(EngineConfig(device=kw.pop("device", "auto") or "auto").device)   # checked as set
-    dtype = _resolve_dtype(kw.pop("dtype", "auto") or "auto", cfg, device)
+    device = resolve_device(EngineConfig(device=kw.pop("device", "auto") or "auto").device)   # checked as set
+    dtype = resolve_dtype(kw.pop("dtype", "auto") or "auto", cfg, device)
     bs = kw.pop("page_size", None) or 16
     max_b = max(batches, default=0)
     pages = max(max_b * -(-context // bs) if batches else 0, prefill_batch * -(-prefill_len // bs),
@@ -67,9 +63,7 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
         if llm is not None:
             max_pos = min(llm.engine.model_cfg.max_position_embeddings, llm.engine.cfg.max_model_len)
         else:
-            from ridge.engine.llm import default_model_path
-            path = model if model is not None else default_model_path()
-            max_pos = ModelConfig.from_dir(path).max_position_embeddings
+            max_pos = ModelConfig.from_dir(model_dir(model)).max_position_embeddings
         context = min(DEFAULT_LENGTH, max_pos) if context is None else context
         prefill_len = min(DEFAULT_LENGTH, max_pos - 1) if prefill_len is None else prefill_len
     if sampling not in ("greedy", "random"):
@@ -92,8 +86,7 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
     if llm is None:
         # The ceilings first: their copy and matmul buffers (a few GiB on a GPU) must fit before the
         # engine takes its weights and KV pool.
-        from ridge.engine.llm import _resolve_device
-        ceilings = load_ceilings(_resolve_device(EngineConfig(device=device).device), remeasure=remeasure)
+        ceilings = load_ceilings(resolve_device(EngineConfig(device=device).device), remeasure=remeasure)
         llm = build_llm(model, batches, context, prefill_len, prefill_batch,
                         **dict(engine_kwargs or {}, device=device, dtype=dtype))
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridge.config import ModelConfig
+from ridge.config import DEFAULT_CPU_KV_BYTES, ModelConfig
 from ridge.roofline.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
 from ridge.roofline.costs import (PRECISIONS, Format, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
@@ -67,7 +67,6 @@ def default_kv_budget(cfg: ModelConfig, ceilings: Ceilings, fmt: Format) -> floa
     if ceilings.device == "cuda" and ceilings.details.get("memory_bytes"):
         return max(0.0, GPU_MEMORY_FRACTION * ceilings.details["memory_bytes"]
                    - parameter_bytes(cfg, fmt.shape(StepShape((1,), (1,)))))
-    from ridge.engine.llm import DEFAULT_CPU_KV_BYTES
     return float(DEFAULT_CPU_KV_BYTES)
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ridge import settings
-from ridge.config import EngineConfig
+from ridge.config import EngineConfig, model_dir
 from ridge.server.config import ServerConfig
 
 # n is untrusted over HTTP: a lower cap than the offline engine's
@@ -26,13 +26,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ridge.engine.llm import LLM, default_model_path
+    from ridge.engine.llm import LLM
     from ridge.server.app import create_app
 
     engine = settings.from_args(EngineConfig, a)
-    model = engine.model if engine.model is not None else default_model_path()
-    if not os.path.isdir(model):
-        raise ValueError(f"model: {model!r} is not a directory")
+    model = model_dir(engine.model)
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
