@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
 
 _INTERPRET = triton.knobs.runtime.interpret
@@ -53,10 +54,13 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # q and the new token's K/V come from the kernels just before: wait for them before anything
+    # else, and before the padding rows' early return (ridge/kernels/pdl.py)
+    pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) == q_row:  # padding slot: no query this step
         return
@@ -121,9 +125,10 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
 
 @triton.jit
 def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) == q_row:
         return
@@ -207,6 +212,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty(n_part * head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_part, dtype=torch.float32, device=q.device)
     bt = meta.page_tables
+    pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
         scale * _LOG2E, sliding_window or 0, num_splits,
@@ -216,9 +222,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         SLIDING=sliding_window is not None, DIRECT=num_splits == 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, **launch_options(pdl))
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             out, o_part, lse, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+            HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
+            **launch_options(pdl))
     return out

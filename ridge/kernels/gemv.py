@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 from ridge.kernels.silu_mul import silu_and_mul_ref
 
@@ -136,7 +137,7 @@ def _accumulate(acc, w, X, offs_m, m_mask, k, K, stride_xm, stride_xk,
 def _gemv_kernel(X, W, Bias, Y, M, N, K: tl.constexpr, stride_xm, stride_xk, stride_wn, stride_ym, stride_yn,
                  SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     # K is a compile-time constant: the trip count is known to the software pipeliner, and a model
     # has only a few distinct in_features (4096 and 14336 for Llama-3-8B), each compiled once,
     # before CUDA-graph capture. (It also sidesteps the Triton 3.6 interpreter, which cannot
@@ -153,13 +154,25 @@ def _gemv_kernel(X, W, Bias, Y, M, N, K: tl.constexpr, stride_xm, stride_xk, str
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # With PDL (ridge/kernels/pdl.py) the first W tile is loaded before waiting for the previous
+    # kernel: the weights are never written during a step, so that load overlaps the previous
+    # kernel's tail instead of starting the weight stream from idle. With K < BLOCK_K the first
+    # tile is the masked tail.
+    FIRST_MASKED: tl.constexpr = K_FULL == 0
+    if PDL:
+        w_first = _load_w(w_rows, offs_k, K, FIRST_MASKED)
+    pdl_wait(PDL)
+    if PDL:
+        acc = _accumulate(acc, w_first, X, offs_m, m_mask, offs_k, K, stride_xm, stride_xk,
+                          SILU_MUL, FIRST_MASKED, USE_DOT, EMULATE_RNE)
+    K_START: tl.constexpr = BLOCK_K if PDL else 0
     # full tiles, no K mask. tl.range's num_stages pipelines the W and x loads (cp.async into
     # shared memory) on both paths; the launch option alone would leave the FMA path unpipelined
-    for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(K_START, K_FULL, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + offs_k
         acc = _accumulate(acc, _load_w(w_rows, k, K, False), X, offs_m, m_mask, k, K, stride_xm, stride_xk,
                           SILU_MUL, False, USE_DOT, EMULATE_RNE)
-    if K_FULL < K:   # one masked tail tile
+    if K_FULL < K and (K_FULL > 0 or not PDL):   # one masked tail tile (unless it was the first)
         k = K_FULL + offs_k
         acc = _accumulate(acc, _load_w(w_rows, k, K, True), X, offs_m, m_mask, k, K, stride_xm, stride_xk,
                           SILU_MUL, True, USE_DOT, EMULATE_RNE)
@@ -267,12 +280,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
     cfg = _as_config(config, M, N, K, x.device)
     block_m = triton.next_power_of_2(M)
+    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         SILU_MUL=act == "silu_mul", HAS_BIAS=bias is not None, USE_DOT=cfg.dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        EMULATE_RNE=emulate_rne(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl))
     return out
 
 

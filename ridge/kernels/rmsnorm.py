@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 
 
@@ -46,7 +47,7 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, n_rows, eps, stride_w,
                      stride_xt, stride_xh, stride_xn, stride_rt, stride_rh, stride_rn,
                      stride_ot, stride_oh, stride_on, stride_st, stride_sh, stride_sn,
                      HEADS: tl.constexpr, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     # row r of the flattened [T * HEADS, N] problem is (token r // HEADS, head r % HEADS);
     # HEADS is a constexpr, so the split is a multiply-shift, and 1 for plain [T, hidden] input
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -54,6 +55,7 @@ def _rms_norm_kernel(X, Res, W, Out, ResOut, n_rows, eps, stride_w,
     head = (rows % HEADS)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < N)
+    pdl_wait(PDL)   # x and the residual come from the kernels before (ridge/kernels/pdl.py)
     x = tl.load(X + tok * stride_xt + head * stride_xh + cols * stride_xn, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Res + tok * stride_rt + head * stride_rh + cols * stride_rn, mask=mask, other=0.0)
@@ -124,9 +126,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     n_rows = tokens * heads
     if n_rows > 0:
         block_n, rows, num_warps = launch_config(n)
+        pdl = use_pdl(x)
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x3, r3, weight, o3, s3, n_rows, eps, weight.stride(0),
             *x3.stride(), *r3.stride(), *o3.stride(), *s3.stride(),
             HEADS=heads, N=n, HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n,
-            EMULATE_RNE=emulate_rne(x), num_warps=num_warps)
+            EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=num_warps, **launch_options(pdl))
     return out if residual is None else (out, residual_out)

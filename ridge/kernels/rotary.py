@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_ref import write_kv_ref
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 
 
@@ -118,8 +119,9 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Sl
                           stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)   # q, k, v come from the QKV GEMM just before (ridge/kernels/pdl.py)
     slot = tl.load(Slots + tok).to(tl.int64)
     # True & (...) keeps the flag boolean: Triton 3.9's interpreter stores a scalar
     # comparison as int32, which it then refuses as a mask
@@ -186,11 +188,13 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if tokens == 0:
         return q_out, k_out
     block_half, block_hq, block_hk, num_warps = launch_config(q_heads, k_heads, head_dim)
+    pdl = use_pdl(q)
     _rope_kv_write_kernel[(tokens,)](
         q, k, v, q_out, k_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
         *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         HQ=q_heads, HK=k_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), num_warps=num_warps)
+        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), PDL=pdl, num_warps=num_warps,
+        **launch_options(pdl))
     return q_out, k_out

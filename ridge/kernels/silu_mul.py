@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 
 _MIN_PROGRAMS = 256   # about two programs per SM on an H100 (132 SMs)
@@ -36,11 +37,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_kernel(X, Out, inter, stride_xt, stride_xi, stride_ot, stride_oi,
-                         BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                         BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     row = X + tok * stride_xt
+    pdl_wait(PDL)   # x is the gate/up GEMM's output (ridge/kernels/pdl.py)
     g = tl.load(row + cols * stride_xi, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (cols + inter) * stride_xi, mask=mask, other=0.0).to(tl.float32)
     # exp(-g) overflows to inf for g < -88 and g / inf = -0: the correct limit, no NaN. The
@@ -77,7 +79,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     tokens = x2.shape[0]
     if tokens > 0 and inter > 0:
         block, num_warps = launch_config(tokens, inter)
+        pdl = use_pdl(x)
         _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
             x2, o2, inter, x2.stride(0), x2.stride(1), o2.stride(0), o2.stride(1),
-            BLOCK=block, EMULATE_RNE=emulate_rne(x), num_warps=num_warps)
+            BLOCK=block, EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=num_warps, **launch_options(pdl))
     return out
