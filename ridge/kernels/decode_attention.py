@@ -45,8 +45,10 @@ def _configs() -> list[triton.Config]:
 # first shape's winner served every later shape, and long-context decode varied from run to run.
 # The two bucket arguments are read by the autotuner only, so they are not specialised: Triton
 # would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
-# the compiles that decode-graph capture pays.
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"])
+# the compiles that decode-graph capture pays. The picks are kept in Triton's cache beside the
+# compiled kernels (cache_results), so a warm start replays them instead of timing every config.
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"],
+                 cache_results=True)
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc, seq_lens,
                          qk_scale, window, num_splits, work_bucket, grid_bucket,

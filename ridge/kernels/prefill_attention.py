@@ -138,8 +138,9 @@ def _head_rows(base, first_row, head_offset, stride_t, num_rows, BLOCK: tl.const
                                      block_shape=[BLOCK, HEAD_DIM])
 
 
+# cache_results: a warm start reads the pick from Triton's cache instead of timing the configs again
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit
 def _prefill_kernel(Q, K_new, V_new, K, V, Out, page_tables, query_start_loc, seq_lens,
                     qk_scale, window,
