@@ -13,8 +13,7 @@ the engine until all finish. Per iteration:
 Steps are timed as the engine runs them, with no synchronise added: each step returns once the
 sampled ids it commits are on the host, which paces the loop by the device. With async scheduling
 (the default) a step returns the ids of the step launched one call earlier while the next one
-runs, so the host work of one step overlaps the device work of another, as in real use. (Until
-2026-11-23 the host waited for the device after every step, which removed that overlap.)
+runs, so the host work of one step overlaps the device work of another, as in real use.
 MBU = the bytes the decode steps must move (weights and KV cache read, plus activations and
 logits: the model's own cost(), summed by ridge.roofline) / their time / the device's measured
 copy bandwidth (ridge.roofline's ceilings, measured once and cached per device); --roofline adds
