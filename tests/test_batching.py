@@ -88,3 +88,23 @@ def test_abort_frees_pages(tiny_llm):
     for rid in ids:
         eng.abort(rid)
     assert_pool_free(tiny_llm)
+
+
+def test_seat_limit_counts_the_samples_still_to_fork(checkpoints):
+    """max_num_seqs bounds the sequences decoded together, n > 1 forks included: a request's first
+    sequence holds its n seats from admission, so 4 requests with n=4 under 8 seats never run more
+    than 8 sequences at once (before, each was admitted as one and forked to 4: 16 ran)."""
+    llm = LLM(checkpoints("llama"), device="cpu", show_progress=False, max_model_len=256, max_num_seqs=8)
+    engine = llm.engine
+    params = SamplingParams(n=4, max_tokens=6, ignore_eos=True, temperature=1.0, seed=1)
+    ids = [engine.add_request(prompt_of(8 + i), params) for i in range(4)]
+    most, outs = 0, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        most = max(most, len(engine.scheduler.running))
+    assert most == 8                      # the seats were used, and never more than them
+    assert sorted(outs) == sorted(ids) and all(len(o.outputs) == 4 for o in outs.values())
+    assert all(len(c.token_ids) == 6 for o in outs.values() for c in o.outputs)
+    assert_pool_free(llm)

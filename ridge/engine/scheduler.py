@@ -27,6 +27,12 @@ class ScheduledSeq:
     samples = property(lambda self: self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
 
 
+def seats(seq: Sequence) -> int:
+    """The seats a running sequence holds: a request with n samples forks into n sequences once its
+    prompt is done, so until then its first sequence holds all n (the forks must find seats)."""
+    return 1 if seq.sample_index or seq.num_output_tokens else seq.request.params.n
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -91,11 +97,10 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        taken = sum(map(seats, self.running))
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            # a request with n samples forks into n running sequences once its prompt is done
-            seats = 1 if seq.sample_index or seq.num_output_tokens else seq.request.params.n
-            if len(self.running) + seats > self.max_num_seqs:
+            if taken + seats(seq) > self.max_num_seqs:
                 break
             # a request scoring its prompt must compute every prompt token: no cache hits
             hits = [] if seq.request.params.prompt_logprobs else self.pages.match_prefix(seq)
@@ -110,6 +115,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            taken += seats(seq)
 
     def fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Which sequence each sampled token goes to, and the logits row it is drawn from. A
