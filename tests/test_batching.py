@@ -108,3 +108,33 @@ def test_seat_limit_counts_the_samples_still_to_fork(checkpoints):
     assert sorted(outs) == sorted(ids) and all(len(o.outputs) == 4 for o in outs.values())
     assert all(len(c.token_ids) == 6 for o in outs.values() for c in o.outputs)
     assert_pool_free(llm)
+
+
+def test_interrupted_generate_leaves_nothing_in_the_engine(checkpoints, monkeypatch):
+    """A KeyboardInterrupt inside generate() aborts the call's requests and frees their pages; the
+    next call runs alone. LLM.abort stops a request added directly to the engine."""
+    llm = LLM(checkpoints("llama"), device="cpu", show_progress=False, max_model_len=256)
+    engine, step = llm.engine, llm.engine.step
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt_of(20 + i) for i in range(4)], params, use_tqdm=False)
+    assert not engine.has_unfinished() and not engine.requests
+    assert_pool_free(llm)
+    monkeypatch.undo()
+    rid = engine.add_request(prompt_of(9), params)
+    engine.step()
+    llm.abort(rid)
+    llm.abort("no-such-request")
+    assert not engine.has_unfinished()
+    assert_pool_free(llm)
+    out = llm.generate([prompt_of(7)], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -46,18 +46,23 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids, or a list of those); all the
-        call's requests are accepted or none is, and requests already in the engine are untouched."""
+        call's requests are accepted or none is, a call that fails or is interrupted (Ctrl-C) aborts
+        what it admitted, and requests already in the engine are untouched."""
         prompts = prompt_list(prompts)
         sampling_params = sampling_list(sampling_params, len(prompts))
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 ids.append(self.engine.add_request(prompt, params))
-        except ValueError:
-            for rid in ids:                   # all or nothing: the call's other requests go too
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:                   # all or nothing: their pages go back to the pool
                 self.engine.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (an unknown or finished id is ignored, as in vLLM)."""
+        self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
