@@ -373,6 +373,15 @@ BAD = [
     ("echo", C, {"prompt": "x", "echo": True}, 400, "echo"),
     ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("logit_bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("functions", CHAT, {"messages": MSG, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ("tool_choice required", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("parallel_tool_calls", CHAT, {"messages": MSG, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
+    ("audio modality", CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("audio", CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("prediction", CHAT, {"messages": MSG, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ("assistant tool_calls", CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, MSG[0]]}, 400,
+     "messages[0].tool_calls"),
     ("presence_penalty out of range", C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("huge text in an error", C, {"prompt": "x", "stop": [LONG]}, 400, "stop"),
 ]
@@ -614,3 +623,13 @@ def test_parser_registers_serve():
     assert (a.port, a.api_key, a.max_n, a.max_model_len) == (0, "k", 2, 64)
     a = build_parser().parse_args(["bench", "serve", "--request-rate", "2", "--slo-ttft", "0.5"])
     assert (a.request_rate, a.slo_ttft) == (2.0, 0.5)
+
+
+def test_unsupported_chat_fields_pass_when_they_ask_for_nothing(server):
+    """The refused OpenAI fields (UNSUPPORTED_CHAT) are accepted at the values that request no
+    feature the server lacks, as clients send them by default."""
+    body = {"messages": MSG, "max_tokens": 2, "tool_choice": "none", "functions": [], "modalities": ["text"],
+            "parallel_tool_calls": None}
+    r = server.post(CHAT, body)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"

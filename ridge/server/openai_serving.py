@@ -30,7 +30,7 @@ from ridge.server.metrics import ServerMetrics
 from ridge.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                    ChatCompletionResponse, ChatChunkChoice, ChatLogprobs, CompletionChoice,
                                    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                   TokenLogprob, TopLogprob, Usage)
+                                   TokenLogprob, TopLogprob, UNSUPPORTED_CHAT, Usage)
 from ridge.server.text_stream import TextDelta
 
 
@@ -171,6 +171,12 @@ class OpenAIServing:
             raise bad_request("messages", "must not be empty")
         if req.tools:
             raise bad_request("tools", "tool calling is not supported by this server")
+        for name, harmless in UNSUPPORTED_CHAT.items():
+            if getattr(req, name) not in harmless:
+                raise bad_request(name, "is not supported by this server")
+        for i, m in enumerate(req.messages):
+            if m.tool_calls:
+                raise bad_request(f"messages[{i}].tool_calls", "tool calling is not supported by this server")
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise bad_request("response_format", "only {\"type\": \"text\"} is supported by this server")
         if req.top_logprobs is not None and not req.logprobs:

@@ -64,6 +64,7 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None                 # refused unless empty (no tool calling)
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -83,6 +84,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict] | None = None                      # refused unless empty
     response_format: dict | None = None                  # refused unless {"type": "text"}
+    # OpenAI fields this server does not implement: refused (UNSUPPORTED_CHAT), never ignored
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+
+
+# chat field -> the values of it that ask for nothing this server lacks
+UNSUPPORTED_CHAT = {"functions": (None, []), "function_call": (None, "none", "auto"),
+                    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None,),
+                    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,)}
 
 
 # -- responses -----------------------------------------------------------------------------------
