@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ridge: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # Ctrl-C: a line, not a traceback (the shell's code for SIGINT)
+        print("ridge: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_goodput_counts_requests_meeting_both_slos():
     slow_first = RequestResult(10, 5, output_tokens=5, ttft=2.0, itl=[0.01] * 4, e2e=2.04)
     slow_rest = RequestResult(10, 5, output_tokens=5, ttft=0.1, itl=[0.5] * 4, e2e=2.1)
     failed = RequestResult(10, 5, error="HTTP 500: boom")
-    s = summarize_run([good, slow_first, slow_rest, failed], duration=2.0, slo_ttft=1.0, slo_itl=0.1)
+    s = summarize_run([good, slow_first, slow_rest, failed], duration=2.0, slo_ttft=1.0, slo_tpot=0.1)
     assert (s["completed"], s["failed"], s["good_requests"]) == (3, 1, 1)
     assert s["goodput"] == 0.5 and s["request_throughput"] == 1.5 and s["output_throughput"] == 7.5
     assert good.tpot == pytest.approx(0.01) and slow_rest.tpot == pytest.approx(0.5)

@@ -59,3 +59,24 @@ def test_commands_take_settings_from_config_not_from_cli():
         tree = ast.parse(open(importlib.import_module(name).__file__).read())
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "ridge.cli" not in modules, name
+
+
+def test_ctrl_c_ends_a_command_with_a_line_not_a_traceback(monkeypatch, capsys):
+    import argparse
+    import types
+
+    import ridge.cli as cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+    ns = argparse.Namespace(func=interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: types.SimpleNamespace(parse_args=lambda argv: ns))
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err.strip() == "ridge: interrupted"
+
+
+def test_show_progress_false_shows_no_generate_bar(tiny_llm, capsys):
+    from ridge import SamplingParams
+    capsys.readouterr()
+    tiny_llm.generate(["def f():"], SamplingParams(max_tokens=2))
+    assert "generating" not in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     ridge serve --model PATH &
     ridge bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4 \\
-        --input-len 512 --output-len 128 --slo-ttft 0.5 --slo-itl 0.05 --json out.json
+        --input-len 512 --output-len 128 --slo-ttft 0.5 --slo-tpot 0.05 --json out.json
 
 Requests are streamed /v1/completions calls with random token-id prompts (seeded; lengths fixed
 or uniform in a range) and `ignore_eos`, so each generates exactly its output length. They
@@ -13,7 +13,7 @@ arrive as a Poisson process at --request-rate per second (inf: all at once), wit
         server that merges tokens into one chunk, a gap spans them), pooled over requests;
   TPOT  (e2e - TTFT) / (output tokens - 1): the request's mean inter-token latency;
   E2E   request sent -> last byte.
-Goodput is requests per second that met both SLOs: TTFT <= --slo-ttft and TPOT <= --slo-itl.
+Goodput is requests per second that met both SLOs: TTFT <= --slo-ttft and TPOT <= --slo-tpot.
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def add_serve_bench_parser(bench_sub) -> argparse.ArgumentParser:
                    help="mean requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="most requests in flight at once (default: no cap)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target in seconds (default 1.0)")
-    p.add_argument("--slo-itl", type=float, default=0.1, help="inter-token latency target in seconds (default 0.1)")
+    p.add_argument("--slo-tpot", "--slo-itl", dest="slo_tpot", type=float, default=0.1,
+                   help="target for each request's mean time per output token after the first (TPOT), in "
+                        "seconds (--slo-itl: the earlier name) (default 0.1)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw prompt ids below this (default: the server's vocab_size from /v1/models)")
@@ -78,10 +80,10 @@ class RequestResult:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
-    def meets(self, slo_ttft: float, slo_itl: float) -> bool:
+    def meets(self, slo_ttft: float, slo_tpot: float) -> bool:
         if not self.ok or self.ttft is None or self.ttft > slo_ttft:
             return False
-        return self.tpot is None or self.tpot <= slo_itl
+        return self.tpot is None or self.tpot <= slo_tpot
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -96,17 +98,17 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def summarize_run(results: list[RequestResult], duration: float, slo_ttft: float, slo_itl: float) -> dict:
+def summarize_run(results: list[RequestResult], duration: float, slo_ttft: float, slo_tpot: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    good = sum(r.meets(slo_ttft, slo_itl) for r in results)
+    good = sum(r.meets(slo_ttft, slo_tpot) for r in results)
     return dict(
         requests=len(results), completed=len(ok), failed=len(results) - len(ok), duration_s=duration,
         request_throughput=len(ok) / duration if duration > 0 else None,
         output_tokens=out_tokens, output_throughput=out_tokens / duration if duration > 0 else None,
         input_tokens=sum(r.input_len for r in ok),
         goodput=good / duration if duration > 0 else None, good_requests=good,
-        slo_ttft_s=slo_ttft, slo_itl_s=slo_itl,
+        slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
         ttft_s=summarize([r.ttft for r in ok if r.ttft is not None]),
         tpot_s=summarize([r.tpot for r in ok if r.tpot is not None]),
         itl_s=summarize([g for r in ok for g in r.itl]),
@@ -203,7 +205,7 @@ def run_serve_bench(a: argparse.Namespace) -> dict:
         raise ValueError(f"request-rate: must be > 0 (inf: all at once), got {a.request_rate}")
     if a.concurrency is not None and a.concurrency < 1:
         raise ValueError(f"concurrency: must be >= 1, got {a.concurrency}")
-    for name, value in (("slo-ttft", a.slo_ttft), ("slo-itl", a.slo_itl), ("timeout", a.timeout)):
+    for name, value in (("slo-ttft", a.slo_ttft), ("slo-tpot", a.slo_tpot), ("timeout", a.timeout)):
         if not value > 0:
             raise ValueError(f"{name}: must be > 0, got {value}")
     key = a.api_key or os.environ.get("RIDGE_API_KEY")
@@ -226,7 +228,7 @@ def run_serve_bench(a: argparse.Namespace) -> dict:
                     output_len=out_range, request_rate=None if a.request_rate == math.inf else a.request_rate,
                     concurrency=a.concurrency, temperature=a.temperature, seed=a.seed,
                     date=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
-        summary=summarize_run(results, duration, a.slo_ttft, a.slo_itl),
+        summary=summarize_run(results, duration, a.slo_ttft, a.slo_tpot),
         requests=[asdict(r) for r in results],
     )
 
@@ -245,7 +247,7 @@ def print_serve_bench(r: dict) -> None:
     print(format_table(["ms", "mean", "p50", "p90", "p99", "max"], rows))
     print(f"requests/s {fmt(s['request_throughput'])}  output tokens/s {fmt(s['output_throughput'], '.1f')}  "
           f"goodput {fmt(s['goodput'])} req/s ({s['good_requests']}/{s['requests']} met TTFT <= "
-          f"{s['slo_ttft_s'] * 1e3:g} ms and TPOT <= {s['slo_itl_s'] * 1e3:g} ms)")
+          f"{s['slo_ttft_s'] * 1e3:g} ms and TPOT <= {s['slo_tpot_s'] * 1e3:g} ms)")
 
 
 def cmd_serve_bench(a: argparse.Namespace) -> int:

@@ -41,10 +41,10 @@ class LLM:
         runner.warm_up_prefill()
         runner.setup_decode(use_graphs=not cfg.enforce_eager)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids, or a list of those); all the
         call's requests are accepted or none is, a call that fails or is interrupted (Ctrl-C) aborts
         what it admitted, and requests already in the engine are untouched."""
@@ -54,7 +54,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 ids.append(self.engine.add_request(prompt, params))
-            return self._run(ids, use_tqdm)
+            return self._run(ids, self.show_progress if use_tqdm is None else use_tqdm)
         except BaseException:
             for rid in ids:                   # all or nothing: their pages go back to the pool
                 self.engine.abort(rid)
@@ -65,7 +65,7 @@ class LLM:
         self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this checkpoint has no chat template")
