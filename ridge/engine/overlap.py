@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ridge.engine.request import Sequence, SeqStatus
-from ridge.engine.scheduler import Scheduler, SchedulerOutput
+from ridge.engine.scheduler import Scheduler, SchedulerOutput, seats
 
 PENDING = -1    # a token id still on the GPU
 
@@ -57,7 +57,7 @@ class DecodeOverlap:
         prev, self.inflight = self.inflight, None
         sched = self.scheduler
         live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]
-        admissible = sched.waiting and len(sched.running) < sched.max_num_seqs
+        admissible = sched.waiting and seats(sched.waiting[0]) <= sched.free_seats()   # admission's own rule
         if admissible or not live or len(live) != len(sched.running):
             return prev
         seqs = [s for s in live if s.num_output_tokens < s.request.max_tokens and s.num_tokens < self.max_model_len]

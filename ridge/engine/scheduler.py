@@ -96,11 +96,14 @@ class Scheduler:
         out.page_copies = self.pages.take_pending_copies()
         return out
 
+    def free_seats(self) -> int:
+        return self.max_num_seqs - sum(map(seats, self.running))
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        taken = sum(map(seats, self.running))
+        free = self.free_seats()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if taken + seats(seq) > self.max_num_seqs:
+            if seats(seq) > free:
                 break
             # a request scoring its prompt must compute every prompt token: no cache hits
             hits = [] if seq.request.params.prompt_logprobs else self.pages.match_prefix(seq)
@@ -115,7 +118,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-            taken += seats(seq)
+            free -= seats(seq)
 
     def fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Which sequence each sampled token goes to, and the logits row it is drawn from. A

@@ -135,13 +135,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for every token of the flat batch."""
         return self.model(input_ids, positions, kv_caches, meta)
 
+    @property
+    def head_weight(self) -> torch.Tensor:      # the embedding table when the two are tied
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.head_weight).float()
 
     def cost(self, step: StepShape) -> list[OpCost]:
         """Every op of one step, in order: the layers, the LM head over the rows that sample
         (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        w = self.head_weight
         head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]
