@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ridge.engine.intake import CHAT_ROLES
+
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 Temperature = Annotated[float, Field(le=2.0)]     # OpenAI's range is [0, 2]; the engine checks >= 0
 
@@ -61,7 +63,7 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None                 # refused unless empty (no tool calling)
