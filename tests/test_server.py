@@ -171,7 +171,7 @@ def test_chat_matches_engine(server, tiny_llm):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     r = server.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6,
                                                 temperature=0, user="someone", extra_body={"ignore_eos": True})
-    ids = tiny_llm.chat_prompt_ids(messages)
+    ids = tiny_llm.encoder.chat(messages)
     expected = tiny_llm.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                                  use_tqdm=False)[0].outputs[0].text
     assert r.object == "chat.completion"
@@ -251,7 +251,7 @@ def test_stop_strings_never_leak(server, tiny_llm):
     assert shown == expected
     # chat streams hold back the same way
     msgs = [{"role": "user", "content": prompt}]
-    stop, expected = _stop_across_tokens(tiny_llm, tiny_llm.chat_prompt_ids(msgs), 16)
+    stop, expected = _stop_across_tokens(tiny_llm, tiny_llm.encoder.chat(msgs), 16)
     shown = ""
     for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=[stop],
                                         stream=True, extra_body={"ignore_eos": True}):

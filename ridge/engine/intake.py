@@ -10,6 +10,7 @@ import random
 from tokenizers.decoders import DecodeStream
 
 from ridge.config import EngineConfig, ModelConfig
+from ridge.engine.prompts import PromptEncoder, TokenizedPrompt
 from ridge.engine.request import Request, Sequence, SeqStatus
 from ridge.engine.sampling_params import SamplingParams, _is_int
 
@@ -17,12 +18,13 @@ from ridge.engine.sampling_params import SamplingParams, _is_int
 class Intake:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, pages_for):
         self.cfg, self.model_cfg, self.tokenizer = cfg, model_cfg, tokenizer
+        self.encoder = PromptEncoder(tokenizer, cfg.max_model_len) if tokenizer is not None else None
         self.pages_for = pages_for                      # tokens -> KV pages they occupy
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                     in_use) -> Request:
+    def make_request(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams | None,
+                     request_id: str | None, in_use) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -59,6 +61,10 @@ class Intake:
         return req
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text is encoded here (in the caller's thread), special-
+        token strings as plain text; a TokenizedPrompt was encoded by the caller already."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt.text, list(prompt.token_ids)
         text = prompt if isinstance(prompt, str) else None
         if text is not None and self.tokenizer is None:
             raise ValueError("prompt: this model directory has no tokenizer; pass token ids")
@@ -67,7 +73,7 @@ class Intake:
         if not prompt:
             raise ValueError("prompt: must not be empty")
         if text is not None:
-            return text, list(self.tokenizer(text)["input_ids"])
+            return text, self.encoder.encode(text)
         vocab = self.model_cfg.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -102,35 +108,3 @@ def sampling_list(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
     return list(params)
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def check_messages(messages) -> list[dict]:
-    """One conversation checked and put in the form chat templates read: each message a dict with a
-    known role and string content; OpenAI text-part content ([{"type": "text", "text": ...}]) is
-    joined into one string, as the server accepts it."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
-        missing = next((key for key in ("role", "content") if key not in m), None)
-        if missing:
-            raise ValueError(f"messages[{i}]: missing '{missing}'")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
-        content = m["content"]
-        if isinstance(content, (list, tuple)):
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError(f"messages[{i}].content[{j}]: a part must be {{'type': 'text', 'text': "
-                                     f"<string>}}, got {part!r}")
-            content = "".join(part["text"] for part in content)
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: must be a string or a list of text parts, "
-                             f"got {type(content).__name__}")
-        out.append({**m, "content": content})
-    return out

@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from ridge.config import EngineConfig
 from ridge.engine.engine import Engine
-from ridge.engine.intake import check_messages, prompt_list, sampling_list
+from ridge.engine.intake import prompt_list, sampling_list
+from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.runner.model_runner import ModelRunner
@@ -42,14 +43,21 @@ class LLM:
         runner.setup_decode(use_graphs=not cfg.enforce_eager)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model))
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
+        self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, *, parse_special_tokens: bool = False) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids, or a list of those); all the
         call's requests are accepted or none is, a call that fails or is interrupted (Ctrl-C) aborts
-        what it admitted, and requests already in the engine are untouched."""
+        what it admitted, and requests already in the engine are untouched. Special-token strings
+        in a text prompt (`<|eot_id|>`) are plain text unless `parse_special_tokens=True`."""
+        if not isinstance(parse_special_tokens, bool):
+            raise ValueError(f"parse_special_tokens: must be true or false, got {parse_special_tokens!r}")
         prompts = prompt_list(prompts)
         sampling_params = sampling_list(sampling_params, len(prompts))
+        if parse_special_tokens and self.encoder is not None:
+            prompts = [TokenizedPrompt(p, self.encoder.encode(p, parse_special_tokens=True)) if isinstance(p, str)
+                       else p for p in prompts]
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
@@ -67,24 +75,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this checkpoint has no chat template")
+        if self.encoder is None:
+            raise ValueError("messages: this checkpoint has no tokenizer")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages "
                              "(or a list of such lists)")
         conversations = messages if all(isinstance(m, (list, tuple)) for m in messages) else [messages]
         sampling_list(sampling_params, len(conversations))
-        prompts = [self.chat_prompt_ids(conv) for conv in conversations]
+        prompts = [self.encoder.chat(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        messages = check_messages(messages)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:          # noqa: BLE001 - the template's own checks (jinja raise_exception)
-            raise ValueError(f"messages: the chat template rejected the conversation ({type(e).__name__}: {e})") \
-                from None
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending, done = set(ids), {}

@@ -32,7 +32,7 @@ log = logging.getLogger("ridge.server")
 def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastAPI:
     """`engine_factory` builds the LLM; it runs in the engine thread, so the server answers
     (/health: 503) while the model loads."""
-    client = EngineClient(engine_factory)
+    client = EngineClient(engine_factory, tokenizer_workers=cfg.tokenizer_pool_size)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.ready)
     serving = OpenAIServing(client, metrics, cfg)
 

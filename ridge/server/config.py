@@ -34,6 +34,9 @@ class ServerConfig:
                                   help="cap on the length of one stop string (a stream holds back this many)")
     max_prompts: int = setting(16, minimum=1, help="cap on prompts in one /v1/completions request")
     max_body_bytes: int = setting(4 << 20, minimum=1, help="request body limit (413 before it is read)")
+    tokenizer_pool_size: int = setting(2, minimum=1, maximum=64,
+                                       help="threads that tokenize prompts and render chat templates, beside the "
+                                            "engine thread (a long prompt never stalls the running streams)")
     log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 
     def __post_init__(self):

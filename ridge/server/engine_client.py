@@ -1,8 +1,10 @@
 """The engine thread and its asyncio front end.
 
-The engine is not thread safe, so one thread owns it (the tokenizer and the chat template
-included) and runs the step loop. HTTP handlers never touch it: they put commands (add, abort)
-on a thread-safe queue and get results back through `loop.call_soon_threadsafe`, one call per
+The engine is not thread safe, so one thread owns it and runs the step loop. Prompts are
+tokenized (and chat templates rendered) before they reach it, in a small pool of worker
+threads, so a megabyte prompt costs its own request time, not every stream's next token (the
+encoder releases the GIL; ridge.engine.prompts). HTTP handlers never touch the engine: they put
+commands (add, abort) on a thread-safe queue and get results back through `loop.call_soon_threadsafe`, one call per
 engine step carrying every output of that step. Requests join the running batch at the next
 step boundary (continuous batching across HTTP requests). With nothing to run, the thread
 blocks on the queue, so an idle server burns no CPU.
@@ -10,14 +12,17 @@ blocks on the queue, so an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ridge.engine.engine import EngineStats
+from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 
@@ -36,7 +41,7 @@ class EngineFailure(Exception):
 
 @dataclass
 class ChatPrompt:
-    """Messages to render with the checkpoint's chat template, in the engine thread."""
+    """Messages to render with the checkpoint's chat template (in a tokenizer worker)."""
     messages: list[dict]
 
 
@@ -53,7 +58,7 @@ class EngineItem:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int] | ChatPrompt
+    prompt: str | list[int] | TokenizedPrompt
     params: SamplingParams
     sink: asyncio.Queue
     accepted: asyncio.Future
@@ -79,6 +84,7 @@ class EngineClient:
     """Start with `start()` from the event loop. `add` queues a request (raising ValueError for
     a bad one, EngineUnavailable when not ready); its outputs arrive as EngineItems on `sink`."""
     factory: Callable[[], object]                  # builds the LLM, in the engine thread
+    tokenizer_workers: int = 2
     state: str = LOADING
     error: str | None = None
     stats: EngineStats | None = None
@@ -88,12 +94,14 @@ class EngineClient:
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _llm: object = None
+    _pool: ThreadPoolExecutor | None = None
     _closing: bool = False
     on_load_failure: Callable[[], None] | None = None   # called in the engine thread
 
     # -- front end (event-loop thread) ---------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._pool = ThreadPoolExecutor(self.tokenizer_workers, thread_name_prefix="ridge-tokenize")
         self._thread = threading.Thread(target=self._run, name="ridge-engine", daemon=True)
         self._thread.start()
 
@@ -102,6 +110,8 @@ class EngineClient:
         command (an add checks and queues with no await in between)."""
         self._closing = True
         self._commands.put(_STOP)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -117,8 +127,14 @@ class EngineClient:
         if self.state != READY:
             raise EngineUnavailable(self.error or f"the engine is not running ({self.state})")
 
-    async def add(self, request_id: str, prompt, params: SamplingParams, sink: asyncio.Queue) -> None:
+    async def add(self, request_id: str, prompt, params: SamplingParams, sink: asyncio.Queue,
+                  parse_special_tokens: bool = False) -> None:
         self.check_ready()
+        if isinstance(prompt, (str, ChatPrompt)) and self._llm.encoder is not None:
+            prompt = await self._encode(prompt, parse_special_tokens)
+            self.check_ready()          # the server may have begun to close meanwhile
+        elif isinstance(prompt, ChatPrompt):
+            raise ValueError("messages: this model has no tokenizer")
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, sink, accepted))
         try:
@@ -129,6 +145,23 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def _encode(self, prompt: str | ChatPrompt, parse_special_tokens: bool) -> TokenizedPrompt:
+        """Tokenize in a worker thread; waiting for a worker is bounded by the connection cap,
+        and a client that leaves while queued takes its work item out of the queue."""
+        encoder = self._llm.encoder
+        if isinstance(prompt, ChatPrompt):
+            work, text = functools.partial(encoder.chat, prompt.messages), None
+        else:
+            work, text = functools.partial(encoder.encode, prompt, parse_special_tokens), prompt
+        try:
+            ids = await self._loop.run_in_executor(self._pool, work)
+        except (ValueError, asyncio.CancelledError):
+            raise
+        except Exception as e:          # noqa: BLE001 - a tokenizer error fails this request, not the server
+            log.exception("could not tokenize request")
+            raise EngineFailure(f"the request could not be tokenized ({type(e).__name__})") from None
+        return TokenizedPrompt(text, ids)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -188,28 +221,16 @@ class EngineClient:
                 engine.abort(cmd.request_id)
             return
         try:
-            prompt = self._chat_ids(cmd.prompt.messages) if isinstance(cmd.prompt, ChatPrompt) else cmd.prompt
-            engine.add_request(prompt, cmd.params, cmd.request_id)
+            engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
         except ValueError as e:
             self._resolve(cmd.accepted, e)
             return
-        except Exception as e:          # noqa: BLE001 - e.g. a tokenizer error: this request fails, not the server
+        except Exception as e:          # noqa: BLE001 - this request fails, not the server
             log.exception("could not add request %s", cmd.request_id)
             self._resolve(cmd.accepted, EngineFailure(f"the request could not be queued ({type(e).__name__})"))
             return
         self._sinks[cmd.request_id] = cmd.sink
         self._resolve(cmd.accepted, None)
-
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        tok = self._llm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; use /v1/completions")
-        try:
-            return self._llm.chat_prompt_ids(messages)
-        except ValueError:
-            raise
-        except Exception as e:          # noqa: BLE001 - jinja raising on the conversation's shape
-            raise ValueError(f"messages: the chat template rejected the conversation ({type(e).__name__}: {e})") from None
 
     def _step(self) -> None:
         engine = self._llm.engine

@@ -49,11 +49,12 @@ class RequestGroup:
         self.pending: set[str] = set()
         self._last_time: dict[str, float] = {}
 
-    async def submit(self, prompts: list, params: SamplingParams, rename: dict[str, str]) -> None:
+    async def submit(self, prompts: list, params: SamplingParams, rename: dict[str, str],
+                     parse_special_tokens: bool = False) -> None:
         """Queue one engine request per prompt, all in one go (they join the same step); all or
         nothing: if one is refused, the accepted ones are aborted and the refusal raised."""
         self.ids = [f"{self.base_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.client.add(rid, p, params, self.sink)
+        results = await asyncio.gather(*(self.client.add(rid, p, params, self.sink, parse_special_tokens)
                                          for rid, p in zip(self.ids, prompts)), return_exceptions=True)
         refused = [r for r in results if r is not None]
         if not refused:
@@ -121,7 +122,7 @@ class OpenAIServing:
         prompts = self._prompts(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs, {})
         group = RequestGroup(self.client, self.metrics, f"cmpl-{uuid.uuid4().hex}")
-        await group.submit(prompts, params, {})
+        await group.submit(prompts, params, {}, req.parse_special_tokens)
         if req.stream:
             return self._streaming_response(group, self._completion_events(group, req, params))
         finals = await self._collect(group, raw)

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ridge.engine.intake import CHAT_ROLES
+from ridge.engine.prompts import CHAT_ROLES
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 Temperature = Annotated[float, Field(le=2.0)]     # OpenAI's range is [0, 2]; the engine checks >= 0
@@ -55,6 +55,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False                                   # refused if true
     suffix: str | None = None                            # refused if set
     best_of: Int64 | None = None                         # refused unless 1 or n
+    parse_special_tokens: bool = False                   # ridge's: "<|eos|>" in the prompt is the EOS token
 
 
 class TextPart(_Request):
