@@ -1,0 +1,201 @@
+"""Serving under hostile load: concurrent streams, a third of them cancelled mid-stream, with and
+without a large-prompt attack beside them (issue 14's acceptance).
+
+    python benchmarks/serve_load.py --json out.json            # starts `ridge serve` on the demo model
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000  # or loads a server already running
+
+Each run starts --streams greedy /v1/completions streams (ignore_eos, --max-tokens each) over raw
+HTTP and reads every server-sent event; every third stream is closed by the client after a few
+tokens. An attacked run, once every stream has its first token, keeps sending the attack until
+the streams end: the 2M-token prompt ("x " * 2,096,152, max_tokens 1), a 4 MB chat message, three
+concurrent 4 MB prompts, and a prompt short enough to be tokenized but too many tokens for the
+context (the path through the tokenizer pool). A run reports how each stream ended (a stream that
+is not cancelled must end with [DONE], after a finish or an error event), the pages /metrics shows
+held once the server is idle, and the inter-token gaps of the streams that ran to the end: p99
+attacked over p99 unattacked is the figure (goal: within 2x).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+ATTACK_PROMPT = "x " * 2_096_152
+
+
+def attack_bodies(model: str) -> list[tuple[str, str, dict]]:
+    big = "y" * 4_000_000
+    words = " ".join(f"w{i}" for i in range(40_000))            # ~270k characters: tokenized, then too long
+    return [("completions", "2M-token prompt", {"model": model, "prompt": ATTACK_PROMPT, "max_tokens": 1}),
+            ("chat/completions", "4 MB chat message",
+             {"model": model, "messages": [{"role": "user", "content": big}], "max_tokens": 1}),
+            *[("completions", f"4 MB prompt #{i}", {"model": model, "prompt": big, "max_tokens": 1}) for i in range(3)],
+            ("completions", "tokenized, too long", {"model": model, "prompt": words, "max_tokens": 1})]
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after: int | None, started) -> dict:
+    """One streamed completion: how it ended and the gaps between its token events."""
+    times, last_event, end = [], None, "cut"
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"end": f"http {r.status_code}", "gaps": []}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    end = "done" if last_event is not None and "error" not in last_event else "error"
+                    break
+                last_event = json.loads(data)
+                if "choices" in last_event:
+                    times.append(time.perf_counter())
+                    if len(times) == 1:
+                        started()
+                    if cancel_after is not None and len(times) >= cancel_after:
+                        end = "cancelled"
+                        break
+    except httpx.HTTPError as e:
+        end = f"transport error {type(e).__name__}"
+    return {"end": end, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
+
+
+async def _attack(client: httpx.AsyncClient, url: str, model: str, until: asyncio.Event) -> list[dict]:
+    rounds = []
+    while not until.is_set():
+        async def one(path, name, body):
+            t = time.perf_counter()
+            r = await client.post(f"{url}/v1/{path}", json=body)
+            return {"name": name, "status": r.status_code, "seconds": time.perf_counter() - t}
+        rounds.extend(await asyncio.gather(*(one(*b) for b in attack_bodies(model))))
+    return rounds
+
+
+async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48, attack: bool = False,
+                   cancel_after: int = 4, headers: dict | None = None, timeout_s: float = 600) -> dict:
+    """One run; every stream and the attack are bounded by `timeout_s` (a hang fails the run)."""
+    limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout_s) as client:
+        first, done = asyncio.Event(), asyncio.Event()
+        count = [0]
+
+        def started():
+            count[0] += 1
+            if count[0] == streams:
+                first.set()
+
+        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        tasks = [asyncio.ensure_future(_stream(client, url, body, cancel_after if i % 3 == 2 else None, started))
+                 for i in range(streams)]
+        attacker = None
+        if attack:
+            await asyncio.wait_for(first.wait(), timeout_s)
+            attacker = asyncio.ensure_future(_attack(client, url, model, done))
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+        done.set()
+        attacked = await asyncio.wait_for(attacker, timeout_s) if attacker is not None else []
+        pages = await _idle_pages(client, url, timeout_s)
+    ran = [r for r in results if r["end"] != "cancelled"]
+    gaps = sorted(g for r in ran for g in r["gaps"])
+    return {"streams": streams, "attack": attack,
+            "ends": {e: sum(r["end"] == e for r in results) for e in sorted({r["end"] for r in results})},
+            "failures": [r["end"] for r in results if r["end"] not in ("done", "cancelled")],
+            "attack_requests": attacked, "leaked_pages": pages,
+            "gap_p50_s": _pct(gaps, 50), "gap_p99_s": _pct(gaps, 99), "gap_max_s": gaps[-1] if gaps else None}
+
+
+async def _idle_pages(client: httpx.AsyncClient, url: str, timeout_s: float) -> float:
+    """Pages still held once nothing runs or waits (0 unless a request leaked its pages)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics((await client.get(url + "/metrics")).text)
+        if m["ridge_num_requests_running"] == 0 and m["ridge_num_requests_waiting"] == 0:
+            leaked = m["ridge_kv_cache_pages"] - m["ridge_kv_cache_free_pages"]
+            if leaked == 0 or time.monotonic() > deadline:
+                return leaked
+        elif time.monotonic() > deadline:
+            return m["ridge_kv_cache_pages"] - m["ridge_kv_cache_free_pages"]
+        await asyncio.sleep(0.05)
+
+
+def _metrics(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()[:2]
+            out[name] = float(value)
+    return out
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    return values[min(len(values) - 1, int(len(values) * p / 100))] if values else None
+
+
+def _serve(args) -> tuple[subprocess.Popen, str]:
+    port = args.port
+    cmd = [sys.executable, "-m", "ridge.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.streams),
+           *args.engine_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"ridge serve did not start: {' '.join(cmd)}")
+        time.sleep(0.2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server (default: start ridge serve on the demo model)")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2, help="unattacked/attacked pairs, alternating")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("engine_args", nargs="*", help="flags for ridge serve after --, e.g. -- --device cpu")
+    args = ap.parse_args()
+    proc, url = (None, args.url) if args.url else _serve(args)
+    try:
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        headers = {"Authorization": f"Bearer {os.environ['RIDGE_API_KEY']}"} if os.environ.get("RIDGE_API_KEY") else None
+        asyncio.run(run_load(url, model, 8, 4, headers=headers))                 # warm-up
+        runs = [asyncio.run(run_load(url, model, args.streams, args.max_tokens, attack, headers=headers))
+                for _ in range(args.rounds) for attack in (False, True)]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    base = statistics.median(r["gap_p99_s"] for r in runs if not r["attack"])
+    hit = statistics.median(r["gap_p99_s"] for r in runs if r["attack"])
+    summary = {"p99_gap_unattacked_s": base, "p99_gap_attacked_s": hit, "ratio": hit / base,
+               "failures": sum(len(r["failures"]) for r in runs), "leaked_pages": max(r["leaked_pages"] for r in runs),
+               "attack_requests": sum(len(r["attack_requests"]) for r in runs),
+               "attack_statuses": sorted({a["status"] for r in runs for a in r["attack_requests"]})}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "runs": runs}, f, indent=1)
+    print("run         p50 gap ms  p99 gap ms  max gap ms  ends")
+    for r in runs:
+        print(f"{'attacked' if r['attack'] else 'unattacked':10s} {r['gap_p50_s'] * 1e3:10.1f} "
+              f"{r['gap_p99_s'] * 1e3:11.1f} {r['gap_max_s'] * 1e3:11.1f}  {r['ends']}")
+    print(f"p99 attacked / unattacked: {summary['ratio']:.2f}x (goal <= 2x); failures {summary['failures']}; "
+          f"leaked pages {summary['leaked_pages']:.0f}; attack requests {summary['attack_requests']} "
+          f"(statuses {summary['attack_statuses']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
