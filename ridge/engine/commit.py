@@ -8,12 +8,14 @@ from __future__ import annotations
 import time
 
 from ridge.engine.request import Logprob, Request, Sequence
+from ridge.engine.token_text import TokenTexts
 
 
 class Committer:
     def __init__(self, max_model_len: int, eos_ids: list[int], tokenizer, scheduler):
         self.max_model_len, self.eos_ids, self.tokenizer, self.scheduler = max_model_len, eos_ids, tokenizer, scheduler
         self.generation_tokens = 0
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else (lambda tok: (None, None))
 
     def commit(self, seqs: list[Sequence], tokens: list[int], info,
                indices: list[int] | None = None) -> list[Request]:
@@ -67,10 +69,13 @@ class Committer:
         return None
 
     def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
+        """The sampled token and the top-k candidates, each named by the text it contributes
+        (TokenTexts: one cached lookup per id, whatever the sequence's length)."""
         chosen, rank, top_v, top_i = info
-        decode = self.tokenizer.convert_ids_to_tokens if self.tokenizer is not None else (lambda t: None)
-        entry = {tok: Logprob(float(chosen[i]), int(rank[i]), decode(tok))}
+        texts = self.token_texts
+        entry = {tok: Logprob(float(chosen[i]), int(rank[i]), *texts(tok))}
         if k:
             for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):
-                entry.setdefault(t, Logprob(v, r, decode(t)))
+                if t not in entry:
+                    entry[t] = Logprob(v, r, *texts(t))
         return entry

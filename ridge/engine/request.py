@@ -22,9 +22,14 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class Logprob:
+    """One candidate at one position. `decoded_token` is the text the token contributes mid-text
+    (" =" for byte-level "Ġ="), or OpenAI's "bytes:\\xe2\\x80" for a token that is part of a
+    UTF-8 character; `token_bytes` are its true bytes, None for a special token (it adds none to
+    a text that skips special tokens) or an id the tokenizer lacks."""
     logprob: float
     rank: int
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,16 +20,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from ridge.engine.request import CompletionOutput, Logprob, RequestOutput
+from ridge.engine.request import CompletionOutput, RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.server.config import ServerConfig
 from ridge.server.engine_client import ChatPrompt, EngineClient, EngineFailure, EngineItem, EngineUnavailable
 from ridge.server.errors import APIError, bad_request, from_value_error
+from ridge.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from ridge.server.metrics import ServerMetrics
 from ridge.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                   ChatCompletionResponse, ChatChunkChoice, ChatLogprobs, CompletionChoice,
-                                   CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                   TokenLogprob, TopLogprob, UNSUPPORTED_CHAT, Usage)
+                                   ChatCompletionResponse, ChatChunkChoice, CompletionChoice, CompletionRequest,
+                                   CompletionResponse, DeltaMessage, UNSUPPORTED_CHAT, Usage)
 from ridge.server.text_stream import TextDelta
 
 
@@ -131,7 +130,8 @@ class OpenAIServing:
         choices = []
         for p, out in enumerate(finals):
             for c in out.outputs:
-                lps = _completion_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None
+                lps = (completion_logprobs(c.token_ids, c.logprobs, TextOffsets(params.skip_special_tokens))
+                       if c.logprobs is not None else None)
                 choices.append(CompletionChoice(index=p * req.n + c.index, text=c.text, logprobs=lps,
                                                 finish_reason=c.finish_reason))
         resp = CompletionResponse(id=group.base_id, model=self.cfg.model_name, choices=choices, usage=_usage(finals))
@@ -158,7 +158,8 @@ class OpenAIServing:
                 if piece is None:
                     continue
                 text, reason, new_tokens, new_lps = piece
-                lps = _completion_logprobs(new_tokens, new_lps) if new_lps is not None else None
+                offsets = streams[(p, c.index)].offsets
+                lps = completion_logprobs(new_tokens, new_lps, offsets) if new_lps is not None else None
                 yield chunk([CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lps, finish_reason=reason)])
             if item.output.finished:
                 finals[item.request_id] = item.output
@@ -199,7 +200,7 @@ class OpenAIServing:
             return Response(status_code=499)
         out = finals[0]
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=_chat_logprobs(c.token_ids, c.logprobs, top) if c.logprobs is not None else None,
+                              logprobs=chat_logprobs(c.token_ids, c.logprobs, top) if c.logprobs is not None else None,
                               finish_reason=c.finish_reason) for c in out.outputs]
         resp = ChatCompletionResponse(id=group.base_id, model=self.cfg.model_name, choices=choices, usage=_usage(finals))
         return JSONResponse(resp.model_dump())
@@ -226,7 +227,7 @@ class OpenAIServing:
                 if piece is None:
                     continue
                 text, reason, new_tokens, new_lps = piece
-                lps = _chat_logprobs(new_tokens, new_lps, top) if new_lps is not None else None
+                lps = chat_logprobs(new_tokens, new_lps, top) if new_lps is not None else None
                 yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lps,
                                              finish_reason=reason)])
             if item.output.finished:
@@ -321,6 +322,7 @@ class OpenAIServing:
 @dataclass
 class _SampleStream:
     text: TextDelta
+    offsets: TextOffsets     # where the next token's text starts (legacy completions' text_offset)
     tokens: int = 0          # tokens already sent (their logprobs went out with them)
     done: bool = False
 
@@ -333,7 +335,7 @@ def _next_piece(streams: dict, key, c: CompletionOutput, params: SamplingParams)
     chunk per generated token, so clients can time every token."""
     st = streams.get(key)
     if st is None:
-        st = streams[key] = _SampleStream(TextDelta(params.stop_strings))
+        st = streams[key] = _SampleStream(TextDelta(params.stop_strings), TextOffsets(params.skip_special_tokens))
     if st.done:
         return None             # a finished sample stays in its request's later outputs
     finished = c.finish_reason is not None
@@ -350,39 +352,6 @@ def _usage(finals: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _token_text(tok: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tok}"
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity: a token of probability 0 reports vLLM's -9999.0 instead."""
-    return logprob if math.isfinite(logprob) else -9999.0
-
-
-def _completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]]) -> CompletionLogprobs:
-    """Legacy shape: the sampled token's logprob, and a dict of it plus the top-k candidates."""
-    tokens, lps, tops = [], [], []
-    for tok, entry in zip(token_ids, entries):
-        chosen = entry[tok]
-        tokens.append(_token_text(tok, chosen))
-        lps.append(_finite(chosen.logprob))
-        tops.append({_token_text(t, lp): _finite(lp.logprob) for t, lp in entry.items()})
-    return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops)
-
-
-def _chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
-    content = []
-    for tok, entry in zip(token_ids, entries):
-        chosen = entry[tok]
-        text = _token_text(tok, chosen)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
-        content.append(TokenLogprob(token=text, logprob=_finite(chosen.logprob), bytes=list(text.encode()),
-                                    top_logprobs=[TopLogprob(token=_token_text(t, lp), logprob=_finite(lp.logprob),
-                                                             bytes=list(_token_text(t, lp).encode()))
-                                                  for t, lp in top]))
-    return ChatLogprobs(content=content)
 
 
 def _sse(obj) -> str:
