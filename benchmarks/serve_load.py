@@ -32,7 +32,7 @@ ATTACK_PROMPT = "x " * 2_096_152
 
 def attack_bodies(model: str) -> list[tuple[str, str, dict]]:
     big = "y" * 4_000_000
-    words = " ".join(f"w{i}" for i in range(40_000))            # ~270k characters: tokenized, then too long
+    words = " ".join(f"w{i}" for i in range(10_000))     # ~59k characters (under the length bound): ~33k tokens
     return [("completions", "2M-token prompt", {"model": model, "prompt": ATTACK_PROMPT, "max_tokens": 1}),
             ("chat/completions", "4 MB chat message",
              {"model": model, "messages": [{"role": "user", "content": big}], "max_tokens": 1}),
@@ -64,7 +64,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after:
                         break
     except httpx.HTTPError as e:
         end = f"transport error {type(e).__name__}"
-    return {"end": end, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
+    return {"end": end, "times": times}
 
 
 async def _attack(client: httpx.AsyncClient, url: str, model: str, until: asyncio.Event) -> list[dict]:
@@ -84,11 +84,12 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
     limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout_s) as client:
         first, done = asyncio.Event(), asyncio.Event()
-        count = [0]
+        count, steady = [0], [None]
 
-        def started():
+        def started():          # gaps count from the moment every stream has its first token
             count[0] += 1
             if count[0] == streams:
+                steady[0] = time.perf_counter()
                 first.set()
 
         body = {"model": model, "prompt": "The quick brown fox", "max_tokens": max_tokens, "temperature": 0,
@@ -104,7 +105,8 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
         attacked = await asyncio.wait_for(attacker, timeout_s) if attacker is not None else []
         pages = await _idle_pages(client, url, timeout_s)
     ran = [r for r in results if r["end"] != "cancelled"]
-    gaps = sorted(g for r in ran for g in r["gaps"])
+    start = steady[0] if steady[0] is not None else float("inf")
+    gaps = sorted(b - a for r in ran for a, b in zip(r["times"], r["times"][1:]) if a >= start)
     return {"streams": streams, "attack": attack,
             "ends": {e: sum(r["end"] == e for r in results) for e in sorted({r["end"] for r in results})},
             "failures": [r["end"] for r in results if r["end"] not in ("done", "cancelled")],

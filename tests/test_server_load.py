@@ -1,0 +1,80 @@
+"""The server under hostile load (issue 14's acceptance): 64 concurrent streams on the demo model,
+a third cancelled mid-stream, while the large-prompt attack runs beside them. Every stream that
+was not cancelled ends with [DONE] after its finish, every attack request gets its 400, and once
+the server is idle no KV page is held. The p99 inter-token gap against an unattacked run is a
+benchmark figure (benchmarks/serve_load.py, BENCHMARKS.md), not asserted here."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+import threading
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from ridge import LLM
+from ridge.server.app import create_app
+from ridge.server.config import ServerConfig
+from tests_support import free_port, wait_healthy
+
+STREAMS = 64
+
+
+def _serve_load():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "serve_load.py")
+    spec = importlib.util.spec_from_file_location("bench_serve_load", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # see tests/test_server.py: spinning OpenMP workers starve the event loop
+    cfg = ServerConfig(model_name="demo")
+    app = create_app(lambda: LLM(device="cpu", show_progress=False, max_num_seqs=STREAMS), cfg)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, "demo server")
+    yield url
+    srv.should_exit = True
+    thread.join(60)
+    torch.set_num_threads(threads)
+    assert not thread.is_alive()
+
+
+def test_streams_survive_cancellations_and_the_large_prompt_attack(demo_server):
+    load = _serve_load()
+    r = asyncio.run(load.run_load(demo_server, "demo", streams=STREAMS, max_tokens=12, attack=True,
+                                  cancel_after=3, timeout_s=300))
+    assert r["failures"] == [], r["ends"]
+    assert r["ends"] == {"cancelled": STREAMS // 3, "done": STREAMS - STREAMS // 3}
+    assert r["leaked_pages"] == 0
+    attacks = r["attack_requests"]
+    assert attacks and {a["status"] for a in attacks} == {400}
+    assert {a["name"] for a in attacks} >= {"2M-token prompt", "4 MB chat message", "tokenized, too long"}
+
+
+def test_the_attack_gets_clear_errors_through_the_openai_client(demo_server):
+    """The same attack as a user of the official client sees it: a 400 that names the input."""
+    load = _serve_load()
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="characters cannot fit in max_model_len"):
+        client.completions.create(model="demo", prompt=load.ATTACK_PROMPT, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="messages: .*characters cannot fit"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "y" * 4_000_000}],
+                                       max_tokens=1)
+    words = load.attack_bodies("demo")[-1][2]["prompt"]
+    with pytest.raises(openai.BadRequestError, match="prompt: .*tokens leave no room|prompt: .*max_model_len"):
+        client.completions.create(model="demo", prompt=words, max_tokens=1)
+    ok = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
