@@ -14,6 +14,9 @@
 #                  cold then warm compile cache -> engine_ready.json
 #   tests-engine   pytest -m gpu on the remaining GPU test files (engine, roofline)
 #   fastpath       benchmarks/fast_path.py (a)-(c) on the 8B shape with the HF peer -> fast_path_8b.json
+#   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
+#                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
+#                  .whl/, carried, installed to /tmp/site when present)
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
 # when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
 # waits for it to finish first.
@@ -25,7 +28,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,ab,dummy,tests-engine,fastpath
+KNOWN=tests-kernels,attention,gemv,fused,ab,dummy,tests-engine,fastpath,serve-load
 KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py tests/test_pdl.py"
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
@@ -49,6 +52,10 @@ part() {
   note "$name: rc=$rc$( ((rc == 124)) && echo ' (timed out)') in $((SECONDS - t0)) s"
 }
 
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader \
   | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
@@ -90,6 +97,7 @@ wait_ckpt
 part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -rA -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
 part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
   --json $OUT/fast_path_8b.json 2>&1 | grep -v -i warn | tail -24"
+part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json"
 
 {
   echo
