@@ -145,7 +145,8 @@ def _serve(args) -> tuple[subprocess.Popen, str]:
     port = args.port
     cmd = [sys.executable, "-m", "ridge.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.streams),
            *args.engine_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = open(args.serve_log, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -155,7 +156,9 @@ def _serve(args) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"ridge serve did not start: {' '.join(cmd)}")
+            with open(args.serve_log) as f:
+                tail = f.read()[-3000:]
+            raise SystemExit(f"ridge serve did not start: {' '.join(cmd)}\n{tail}")
         time.sleep(0.2)
 
 
@@ -167,6 +170,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="unattacked/attacked pairs, alternating")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--serve-log", default="/tmp/ridge-serve.log", help="the started server's output")
     ap.add_argument("engine_args", nargs="*", help="flags for ridge serve after --, e.g. -- --device cpu")
     args = ap.parse_args()
     proc, url = (None, args.url) if args.url else _serve(args)
