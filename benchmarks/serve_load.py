@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -67,15 +68,30 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after:
     return {"end": end, "times": times}
 
 
-async def _attack(client: httpx.AsyncClient, url: str, model: str, until: asyncio.Event) -> list[dict]:
+async def _attack(url: str, model: str, headers: dict | None, until: threading.Event) -> list[dict]:
+    """Send the attack, round after round, until `until` is set; each request's status and time."""
+    bodies = [(path, name, json.dumps(body).encode()) for path, name, body in attack_bodies(model)]
+    hdrs = {**(headers or {}), "Content-Type": "application/json"}
     rounds = []
-    while not until.is_set():
-        async def one(path, name, body):
+    async with httpx.AsyncClient(headers=hdrs, timeout=600) as client:
+        async def one(path, name, content):
             t = time.perf_counter()
-            r = await client.post(f"{url}/v1/{path}", json=body)
+            r = await client.post(f"{url}/v1/{path}", content=content)
             return {"name": name, "status": r.status_code, "seconds": time.perf_counter() - t}
-        rounds.extend(await asyncio.gather(*(one(*b) for b in attack_bodies(model))))
+        while not until.is_set():
+            rounds.extend(await asyncio.gather(*(one(*b) for b in bodies)))
     return rounds
+
+
+def attacker_main(url: str, model: str) -> None:
+    """The attacker is a client of its own, in its own process (as it would be): encoding and
+    sending 4 MB bodies must not slow the streams' client. It attacks until its stdin closes,
+    then prints what it sent as JSON."""
+    until = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), until.set()), daemon=True).start()
+    key = os.environ.get("RIDGE_API_KEY")
+    sent = asyncio.run(_attack(url, model, {"Authorization": f"Bearer {key}"} if key else None, until))
+    print(json.dumps(sent))
 
 
 async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48, attack: bool = False,
@@ -83,7 +99,7 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
     """One run; every stream and the attack are bounded by `timeout_s` (a hang fails the run)."""
     limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout_s) as client:
-        first, done = asyncio.Event(), asyncio.Event()
+        first = asyncio.Event()
         count, steady = [0], [None]
 
         def started():          # gaps count from the moment every stream has its first token
@@ -99,10 +115,12 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
         attacker = None
         if attack:
             await asyncio.wait_for(first.wait(), timeout_s)
-            attacker = asyncio.ensure_future(_attack(client, url, model, done))
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
-        done.set()
-        attacked = await asyncio.wait_for(attacker, timeout_s) if attacker is not None else []
+            attacker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--attack", url, model],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+        finally:
+            attacked = json.loads(attacker.communicate("", timeout=timeout_s)[0]) if attacker is not None else []
         pages = await _idle_pages(client, url, timeout_s)
     ran = [r for r in results if r["end"] != "cancelled"]
     start = steady[0] if steady[0] is not None else float("inf")
@@ -171,8 +189,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="unattacked/attacked pairs, alternating")
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-log", default="/tmp/ridge-serve.log", help="the started server's output")
+    ap.add_argument("--attack", nargs=2, metavar=("URL", "MODEL"), help=argparse.SUPPRESS)
     ap.add_argument("engine_args", nargs="*", help="flags for ridge serve after --, e.g. -- --device cpu")
     args = ap.parse_args()
+    if args.attack:
+        attacker_main(*args.attack)
+        return 0
     proc, url = (None, args.url) if args.url else _serve(args)
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
