@@ -8,6 +8,7 @@
     metrics.py        Prometheus metrics
     middleware.py     API-key check and the request-body size limit
     app.py            the FastAPI app: routes, error handlers, lifespan
+    http_server.py    uvicorn for ridge: bind first, one log format, read timeout, connection cap, drain
     cli.py            `ridge serve`
     text_stream.py    stop-string-safe incremental text (shared with `ridge generate`)
 

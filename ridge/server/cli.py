@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ridge import settings
 from ridge.config import EngineConfig, model_dir
@@ -22,27 +23,25 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import logging
-
-    import uvicorn
-
     from ridge.engine.llm import LLM
     from ridge.server.app import create_app
+    from ridge.server.http_server import bind, build_server, configure_logging
 
     engine = settings.from_args(EngineConfig, a)
     model = model_dir(engine.model)
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind(cfg.host, cfg.port)     # before the model loads: a busy port fails at once
+    except OSError as e:
+        print(f"ridge: error: {e}", file=sys.stderr)
+        return 1
+    configure_logging(cfg.log_level)
     app = create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = build_server(app, cfg)
     client = app.state.engine_client
     # a model that cannot load ends the process rather than leaving a server that only says 503
     client.on_load_failure = lambda: setattr(server, "should_exit", True)
-    try:
-        server.run()
-    except KeyboardInterrupt:           # uvicorn re-raises the Ctrl-C it shut down for
-        pass
+    server.run(sockets=[sock])
     return 1 if client.model is None else 0

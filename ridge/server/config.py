@@ -37,6 +37,18 @@ class ServerConfig:
     tokenizer_pool_size: int = setting(2, minimum=1, maximum=64,
                                        help="threads that tokenize prompts and render chat templates, beside the "
                                             "engine thread (a long prompt never stalls the running streams)")
+    shutdown_timeout: float = setting(5.0, minimum=0,
+                                      help="on SIGTERM or Ctrl-C, seconds the requests in flight may run on while "
+                                           "new ones get 503; then each still running ends with a 503 (a stream: an "
+                                           "error event, then [DONE]). 5 s leaves room within docker stop's 10 s")
+    request_read_timeout: float = setting(30.0, above=0,
+                                          help="seconds a client has to send a whole request, headers and body, "
+                                               "from its connection or its first byte; then the connection is "
+                                               "closed (408 once the headers were read)")
+    timeout_keep_alive: float = setting(5.0, above=0, help="seconds an idle keep-alive connection stays open")
+    limit_concurrency: int | None = setting(None, minimum=1,
+                                            help="cap on open connections: a request on one more gets 503",
+                                            default_text="no cap")
     log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 
     def __post_init__(self):

@@ -37,6 +37,12 @@ class EngineUnavailable(Exception):
 
 class EngineFailure(Exception):
     """A step failed while this request was in the batch (500); the engine serves on."""
+    status, code = 500, "engine_error"
+
+
+class ServerShutdown(EngineFailure):
+    """The server stopped before this request finished: its drain time ran out (503)."""
+    status, code = 503, "server_shutting_down"
 
 
 @dataclass
@@ -53,6 +59,10 @@ class EngineItem:
     output: RequestOutput | None
     time: float
     error: str | None = None
+    stopped: bool = False       # the error is the server's shutdown, not a failure
+
+    def failure(self) -> EngineFailure:
+        return (ServerShutdown if self.stopped else EngineFailure)(self.error)
 
 
 @dataclass
@@ -114,6 +124,25 @@ class EngineClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    async def drain(self, timeout: float, cut_short: Callable[[], bool] = lambda: False) -> None:
+        """Graceful shutdown, from the event loop: admit nothing more (adds and /health answer
+        503 from now on), let the requests in flight run for up to `timeout` seconds (or until
+        `cut_short()`), then stop the engine, which ends each request still running with the
+        error "the server is shutting down" (a stream's last event, then its [DONE])."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+
+        def busy() -> bool:         # read from the loop thread: a dict's and a queue's size are atomic
+            return self.state == READY and (bool(self._sinks) or not self._commands.empty())
+
+        if busy():
+            log.info("shutting down: draining %d request(s) for up to %g s", len(self._sinks), timeout)
+        while busy() and time.monotonic() < deadline and not cut_short():
+            await asyncio.sleep(0.05)
+        if busy():
+            log.warning("shutting down: ending %d request(s) still running", len(self._sinks))
+        self._commands.put(_STOP)
 
     @property
     def ready(self) -> bool:
@@ -278,7 +307,8 @@ class EngineClient:
     def _fail_all(self, state: str, message: str) -> None:
         self.state, self.error = state, message
         now = time.monotonic()
-        batch = [(sink, EngineItem(rid, None, now, error=message)) for rid, sink in self._sinks.items()]
+        batch = [(sink, EngineItem(rid, None, now, error=message, stopped=state == STOPPED))
+                 for rid, sink in self._sinks.items()]
         self._sinks.clear()
         self._deliver(batch)
 

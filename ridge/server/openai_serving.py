@@ -82,7 +82,7 @@ class RequestGroup:
                 self.pending.discard(rid)
                 self.metrics.finished.labels("error").inc()
                 self.abort()
-                raise EngineFailure(item.error)
+                raise item.failure()
             last = self._last_time.get(rid)
             if last is not None:
                 self.metrics.itl.observe(item.time - last)
@@ -300,7 +300,7 @@ class OpenAIServing:
         try:
             work.result()
         except EngineFailure as e:
-            raise APIError(500, str(e), None, "engine_error") from None
+            raise APIError(e.status, str(e), None, e.code) from None
         return [finals[rid] for rid in group.ids]
 
     def _streaming_response(self, group: RequestGroup, events) -> StreamingResponse:
@@ -309,7 +309,7 @@ class OpenAIServing:
                 async for event in events:
                     yield event
             except EngineFailure as e:
-                yield _sse(APIError(500, str(e), None, "engine_error").body())
+                yield _sse(APIError(e.status, str(e), None, e.code).body())
             finally:
                 group.abort()       # the client went away mid-stream (cancellation lands here)
             yield "data: [DONE]\n\n"
