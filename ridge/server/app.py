@@ -27,6 +27,7 @@ from ridge.server.openai_serving import OpenAIServing
 from ridge.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 log = logging.getLogger("ridge.server")
+_PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastAPI:
@@ -65,13 +66,22 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
         log.exception("unhandled error")
         return APIError(500, "internal server error", None, "internal_error").response()
 
+    async def parsed(model: type[BaseModel], request: Request):
+        """A large body is parsed in a tokenizer worker: parsing holds the GIL ~1 ms per MB
+        either way, but on the event loop it would also hold back every stream's next event
+        until the parse (and any others queued beside it) were done."""
+        body = await request.body()
+        if len(body) < _PARSE_ON_LOOP_BYTES:
+            return _parse(model, body)
+        return await client.run_in_worker(_parse, model, body)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(_parse(CompletionRequest, await request.body()), request)
+        return await serving.completions(await parsed(CompletionRequest, request), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.chat(_parse(ChatCompletionRequest, await request.body()), request)
+        return await serving.chat(await parsed(ChatCompletionRequest, request), request)
 
     @app.get("/v1/models")
     async def models():

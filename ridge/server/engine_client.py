@@ -175,6 +175,10 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def run_in_worker(self, fn, *args):
+        """`fn(*args)` in a tokenizer worker thread (work that grows with a request's bytes)."""
+        return await self._loop.run_in_executor(self._pool, fn, *args)
+
     async def _encode(self, prompt: str | ChatPrompt, parse_special_tokens: bool) -> TokenizedPrompt:
         """Tokenize in a worker thread; waiting for a worker is bounded by the connection cap,
         and a client that leaves while queued takes its work item out of the queue."""
