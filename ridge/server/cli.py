@@ -21,11 +21,9 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    import logging
-
-    import uvicorn
-
+def build_app(a: argparse.Namespace):
+    """The app and ServerConfig `ridge serve` runs for these parsed flags; the README's examples
+    are tested through it, so they are checked against the name the command really serves."""
     from ridge.engine.llm import LLM
     from ridge.server.app import create_app
 
@@ -34,8 +32,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
+    return create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg), cfg
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    app, cfg = build_app(a)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            timeout_graceful_shutdown=5))
     client = app.state.engine_client
