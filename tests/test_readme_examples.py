@@ -20,6 +20,7 @@ import uvicorn
 
 from ridge.cli import build_parser
 from ridge.server.cli import build_app
+from ridge.config import model_dir
 from tests_support import free_port, wait_healthy
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -93,6 +94,19 @@ def test_readme_model_names_are_the_served_name(readme_server):
     py_names = re.findall(r'\bmodel="([^"]*)"', _blocks("python")[0])
     assert curl_names and py_names
     assert set(curl_names) | set(py_names) == {cfg.model_name}
+
+
+def test_only_the_served_name_is_shown_and_accepted(readme_server):
+    """/v1/models names the model by its served name (root too), never the checkpoint's path on
+    the server's disk, and the path is not a second name for it: 404, as for any other name."""
+    url, cfg, _ = readme_server
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    path = model_dir(None)
+    r = httpx.get(url + "/v1/models", headers=auth)
+    assert r.json()["data"][0]["root"] == cfg.model_name and path not in r.text
+    for name in (path, "checkpoint"):
+        r = httpx.post(url + "/v1/completions", headers=auth, json={"model": name, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
 
 
 def test_readme_curl_examples_succeed(readme_server):
