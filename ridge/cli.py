@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=-1, help="-1: off (default: -1)")
     s.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below this fraction of the top one's probability (default: 0.0)")
-    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (default: 1.0)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off; in [0.01, 100] (default: 1.0)")
     s.add_argument("--sample-seed", type=int, default=None,
                    help="seed of this request's sampling (default: drawn from --seed)")
     s.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")

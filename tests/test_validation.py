@@ -28,6 +28,7 @@ GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     (lambda: dict(params=dict(min_p=2.0)), "min_p"),
     (lambda: dict(params=dict(presence_penalty=3.0)), "presence_penalty"),
     (lambda: dict(params=dict(repetition_penalty=0.0)), "repetition_penalty"),
+    (lambda: dict(params=dict(repetition_penalty=1e-300)), "repetition_penalty"),    # 0 in float32
 ])
 def test_bad_input_names_parameter_and_engine_serves_on(tiny_llm, make, param):
     case = make()
@@ -118,10 +119,35 @@ def test_seed_and_top_k_beyond_int64_are_rejected_and_engine_stays_clean(tiny_ll
     (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(min_tokens=False), "min_tokens"),
     (dict(top_k=True), "top_k"), (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"),
     (dict(temperature=True), "temperature"), (dict(max_tokens=2.0), "max_tokens"), (dict(top_k=10**400), "top_k"),
+    # finite but outside the ranges the float32 sampler survives (sampling_params.py says why)
+    (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(repetition_penalty=1e-3), "repetition_penalty"),
+    (dict(repetition_penalty=101), "repetition_penalty"), (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(temperature=1e-300), "temperature"), (dict(temperature=1e-30), "temperature"),
+    (dict(temperature=1e30), "temperature"), (dict(frequency_penalty=1e300), "frequency_penalty"),
 ])
 def test_sampling_params_reject_with_value_error(kwargs, param):
     with pytest.raises(ValueError, match=rf"^{param}:"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=0.01), dict(repetition_penalty=100),
+                                    dict(temperature=1e-20), dict(temperature=1e-10), dict(temperature=1e20),
+                                    dict(presence_penalty=-2, frequency_penalty=2)])
+def test_sampling_params_range_ends_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_range_ends_sample_without_overflow(tiny_llm):
+    """At the smallest temperature and repetition penalty (every seen token's logit x 100, then
+    x 1e20) no logit overflows: the seeded sample is the greedy token of the same penalised logits."""
+    kw = dict(max_tokens=12, ignore_eos=True, repetition_penalty=0.01)
+    prompt = prompt_of(10, salt=4)
+    tiny = tiny_llm.generate([prompt], SamplingParams(temperature=1e-20, seed=3, **kw), use_tqdm=False)
+    greedy = tiny_llm.generate([prompt], SamplingParams(temperature=0, **kw), use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    hot = tiny_llm.generate([prompt], SamplingParams(temperature=1e20, repetition_penalty=100, seed=3, max_tokens=12,
+                                                     ignore_eos=True, min_tokens=12), use_tqdm=False)
+    assert all(0 <= t < 512 for t in hot[0].outputs[0].token_ids) and len(hot[0].outputs[0].token_ids) == 12
 
 
 # -- LLM.generate / LLM.chat: malformed calls leave the engine's requests as they were -----------------

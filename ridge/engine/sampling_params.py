@@ -5,6 +5,17 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Finite ranges for the floats the sampler divides or multiplies the float32 logits by (ridge/
+# layers/sampler.py). "Finite" is not enough: repetition_penalty=1e-300 is 0 in float32, so a
+# seen token's positive logit / penalty is inf, several infs tie in the argmax and make softmax
+# NaN, and the wrong token comes out (greedy included). Within these ranges a logit is scaled by at
+# most 100 (penalty) x 1e20 (1 / temperature), which stays below float32's 3.4e38 for any logit
+# under 3e16 in magnitude, far beyond what a model produces.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)   # 1/100 .. 100x a seen token's logit; 1.2 is typical,
+                                           # and 100 already all but bans every seen token
+TEMPERATURE_RANGE = (1e-20, 1e20)          # positive temperatures: far below any "almost greedy"
+                                           # epsilon a client sends (1e-7..1e-10), far above the
+                                           # point where the distribution is uniform in float32
 
 
 @dataclass
@@ -47,7 +58,9 @@ class SamplingParams:
         mt, mn, lp, ids = self.max_tokens, self.min_tokens, self.logprobs, self.stop_token_ids
         need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         need(max_n is None or self.n <= max_n, "n", f"must be <= {max_n} (the engine's max_n and max_num_seqs)")
-        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0")
+        t_lo, t_hi = TEMPERATURE_RANGE
+        need(_is_number(self.temperature) and (self.temperature == 0 or t_lo <= self.temperature <= t_hi),
+             "temperature", f"must be 0 (greedy) or in [{t_lo:g}, {t_hi:g}]")
         need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(_is_int(self.top_k) and -1 <= self.top_k < 2**63, "top_k",
              "must be -1 (off), 0 (off) or a positive integer")
@@ -69,10 +82,12 @@ class SamplingParams:
              f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "prompt_logprobs"):
             need(isinstance(getattr(self, name), bool), name, "must be true or false")
+        # presence/frequency subtract at most 2 x a token's count (<= the context length): no overflow
         for name in ("presence_penalty", "frequency_penalty"):
             need(_is_number(v := getattr(self, name)) and -2 <= v <= 2, name, "must be in [-2, 2]")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-             "must be a finite number > 0")
+        r_lo, r_hi = REPETITION_PENALTY_RANGE
+        need(_is_number(self.repetition_penalty) and r_lo <= self.repetition_penalty <= r_hi, "repetition_penalty",
+             f"must be in [{r_lo:g}, {r_hi:g}] (1: off)")
 
 
 def _is_int(x) -> bool:

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch.autograd.profiler import record_function
 
+from ridge.roofline.profiler import profile
+
 OP_PREFIX = "ridge.op/"
 REP_PREFIX = "ridge.rep/"
 HOST = "host"          # host-side batch preparation (lists -> device tensors): not a roofline op
@@ -250,8 +252,7 @@ def time_step(step_fn: Callable[[Timeline], None], device: torch.device | str, r
         # 2. each op's kernels, under the profiler (kernel durations do not depend on it)
         tl = Timeline("profile")
         launches: list[tuple[str, str]] = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with profile([torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             with install(tl), triton_launch_log(tl, launches):
                 for r in range(reps):
                     with record_function(f"{REP_PREFIX}{r}"):
@@ -302,7 +303,7 @@ def time_step(step_fn: Callable[[Timeline], None], device: torch.device | str, r
         calls = dict(tl.calls)
         # one more run under the profiler, to count the torch calls each op makes
         ptl = Timeline("profile")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with profile([torch.profiler.ProfilerActivity.CPU]) as prof:
             with install(ptl):
                 with record_function(f"{REP_PREFIX}0"):
                     step_fn(ptl)

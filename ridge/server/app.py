@@ -87,7 +87,9 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
     async def models():
         if client.model is None:
             raise _not_ready(client)
-        card = ModelCard(id=cfg.model_name, root=client.model.path, max_model_len=client.model.max_model_len,
+        # root is the served name, not the checkpoint's directory: the API names the model by the
+        # one name it accepts, and a client has no business learning the server's filesystem layout
+        card = ModelCard(id=cfg.model_name, root=cfg.model_name, max_model_len=client.model.max_model_len,
                          vocab_size=client.model.vocab_size)
         return JSONResponse(ModelList(data=[card]).model_dump())
 

@@ -22,23 +22,30 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+def build_app(a: argparse.Namespace):
+    """The app and ServerConfig `ridge serve` runs for these parsed flags; the README's examples
+    are tested through it, so they are checked against the name the command really serves."""
     from ridge.engine.llm import LLM
     from ridge.server.app import create_app
-    from ridge.server.http_server import bind, build_server, configure_logging
 
     engine = settings.from_args(EngineConfig, a)
     model = model_dir(engine.model)
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
+    return create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg), cfg
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ridge.server.http_server import bind, build_server, configure_logging
+
+    app, cfg = build_app(a)
     try:
         sock = bind(cfg.host, cfg.port)     # before the model loads: a busy port fails at once
     except OSError as e:
         print(f"ridge: error: {e}", file=sys.stderr)
         return 1
     configure_logging(cfg.log_level)
-    app = create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg)
     server = build_server(app, cfg)
     client = app.state.engine_client
     # a model that cannot load ends the process rather than leaving a server that only says 503

@@ -237,8 +237,9 @@ class OpenAIServing:
 
     # -- shared ------------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        served = self.client.model
-        if model is None or model == self.cfg.model_name or (served is not None and model == served.path):
+        """Only the served name (or none) is accepted: taking the checkpoint's path too would let a
+        client probe the server's filesystem layout, and /v1/models names just the one model."""
+        if model is None or model == self.cfg.model_name:
             return
         shown = model if len(model) <= 64 else model[:61] + "..."
         raise APIError(404, f"model: the model {shown!r} does not exist; this server serves {self.cfg.model_name!r}",

@@ -1,0 +1,137 @@
+"""The README's serving examples, run as written: its `ridge serve` line is parsed by ridge's own
+parser and served by the app `ridge serve` builds (the bundled demo model when the line names
+none), and its curl requests and openai-python snippet are sent to it. Only the address moves
+(a free port instead of 8000, so the test can run beside a real server). A README whose model
+name, key or request bodies drift from what that command serves fails here."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shlex
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from ridge.cli import build_parser
+from ridge.server.cli import build_app
+from ridge.config import model_dir
+from tests_support import free_port, wait_healthy
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _serving_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## Serving")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", _serving_section(), re.S)
+
+
+def _commands() -> list[list[str]]:
+    """The shell commands of the serving section's first bash block, continuations joined and
+    comments dropped, as argv lists."""
+    joined = _blocks("bash")[0].replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
+
+
+def _curl(argv: list[str]) -> tuple[str, dict, str | None]:
+    """(url, headers, body) of a curl command line: -H and -d take a value, -s/-N do not."""
+    url, headers, body = None, {}, None
+    it = iter(argv[1:])
+    for arg in it:
+        if arg == "-H":
+            k, v = next(it).split(":", 1)
+            headers[k.strip()] = v.strip()
+        elif arg == "-d":
+            body = next(it)
+        elif not arg.startswith("-"):
+            url = arg
+    assert url is not None, argv
+    return url, headers, body
+
+
+@pytest.fixture(scope="module")
+def readme_server():
+    serve = [c for c in _commands() if c[:2] == ["ridge", "serve"]]
+    assert len(serve) == 1, "the README's serving example starts with one `ridge serve` line"
+    args = build_parser().parse_args(serve[0][1:])
+    app, cfg = build_app(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # the demo model's ops are tiny; spinning workers only slow the loop
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, "README server")
+    yield url, cfg, args.port
+    srv.should_exit = True
+    thread.join(30)
+    torch.set_num_threads(threads)
+    assert not thread.is_alive()
+
+
+def _here(text: str, readme_port: int, url: str) -> str:
+    """The README addresses its server as localhost:PORT with the port of its serve line."""
+    assert f"localhost:{readme_port}" in text, text
+    return text.replace(f"http://localhost:{readme_port}", url).replace(f"localhost:{readme_port}", url)
+
+
+def test_readme_model_names_are_the_served_name(readme_server):
+    url, cfg, _ = readme_server
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {})
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [cfg.model_name]
+    curl_names = [json.loads(_curl(c)[2])["model"] for c in _commands() if c[0] == "curl" and "-d" in c]
+    py_names = re.findall(r'\bmodel="([^"]*)"', _blocks("python")[0])
+    assert curl_names and py_names
+    assert set(curl_names) | set(py_names) == {cfg.model_name}
+
+
+def test_only_the_served_name_is_shown_and_accepted(readme_server):
+    """/v1/models names the model by its served name (root too), never the checkpoint's path on
+    the server's disk, and the path is not a second name for it: 404, as for any other name."""
+    url, cfg, _ = readme_server
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    path = model_dir(None)
+    r = httpx.get(url + "/v1/models", headers=auth)
+    assert r.json()["data"][0]["root"] == cfg.model_name and path not in r.text
+    for name in (path, "checkpoint"):
+        r = httpx.post(url + "/v1/completions", headers=auth, json={"model": name, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_readme_curl_examples_succeed(readme_server):
+    url, _, readme_port = readme_server
+    sent = 0
+    for argv in _commands():
+        if argv[0] != "curl":
+            continue
+        target, headers, body = _curl(argv)
+        target = _here(target, readme_port, url)
+        if body is None:
+            r = httpx.get(target, headers=headers, timeout=120)
+        else:
+            r = httpx.post(target, headers=headers, content=body.encode(), timeout=120)
+        assert r.status_code == 200, (argv, r.text[:300])
+        if body is not None and json.loads(body).get("stream"):
+            assert r.text.rstrip().endswith("data: [DONE]")
+        sent += 1
+    assert sent >= 3            # health, a completion, a streamed chat
+
+
+def test_readme_python_snippet_runs(readme_server):
+    url, cfg, readme_port = readme_server
+    code = _here(_blocks("python")[0], readme_port, url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (serving snippet)", "exec"), {})
+    assert "completion_tokens=" in out.getvalue()      # the stream ran to its usage chunk
