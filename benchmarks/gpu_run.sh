@@ -97,7 +97,7 @@ wait_ckpt
 part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -rA -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
 part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
   --json $OUT/fast_path_8b.json 2>&1 | grep -v -i warn | tail -24"
-part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json"
+part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"
 
 {
   echo

@@ -6,8 +6,9 @@ without a large-prompt attack beside them (issue 14's acceptance).
 
 Each run starts --streams greedy /v1/completions streams (ignore_eos, --max-tokens each) over raw
 HTTP and reads every server-sent event; every third stream is closed by the client after a few
-tokens. An attacked run, once every stream has its first token, keeps sending the attack until
-the streams end: the 2M-token prompt ("x " * 2,096,152, max_tokens 1), a 4 MB chat message, three
+tokens. An attacked run, once every stream has its first token, sends the attack round after
+round until the streams end (or --attack-rounds rounds): the 2M-token prompt ("x " * 2,096,152,
+max_tokens 1), a 4 MB chat message, three
 concurrent 4 MB prompts, and a prompt short enough to be tokenized but too many tokens for the
 context (the path through the tokenizer pool). A run reports how each stream ended (a stream that
 is not cancelled must end with [DONE], after a finish or an error event), the pages /metrics shows
@@ -68,8 +69,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after:
     return {"end": end, "times": times}
 
 
-async def _attack(url: str, model: str, headers: dict | None, until: threading.Event) -> list[dict]:
-    """Send the attack, round after round, until `until` is set; each request's status and time."""
+async def _attack(url: str, model: str, headers: dict | None, until: threading.Event,
+                  max_rounds: int | None = None) -> list[dict]:
+    """Send the attack, round after round, until `until` is set (or `max_rounds` were sent);
+    each request's status and time."""
     bodies = [(path, name, json.dumps(body).encode()) for path, name, body in attack_bodies(model)]
     hdrs = {**(headers or {}), "Content-Type": "application/json"}
     rounds = []
@@ -78,26 +81,30 @@ async def _attack(url: str, model: str, headers: dict | None, until: threading.E
             t = time.perf_counter()
             r = await client.post(f"{url}/v1/{path}", content=content)
             return {"name": name, "status": r.status_code, "seconds": time.perf_counter() - t}
-        while not until.is_set():
+        while not until.is_set() and (max_rounds is None or len(rounds) < max_rounds * len(bodies)):
             rounds.extend(await asyncio.gather(*(one(*b) for b in bodies)))
     return rounds
 
 
-def attacker_main(url: str, model: str) -> None:
+def attacker_main(url: str, model: str, max_rounds: str) -> None:
     """The attacker is a client of its own, in its own process (as it would be): encoding and
     sending 4 MB bodies must not slow the streams' client. It attacks until its stdin closes,
     then prints what it sent as JSON."""
     until = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), until.set()), daemon=True).start()
     key = os.environ.get("RIDGE_API_KEY")
-    sent = asyncio.run(_attack(url, model, {"Authorization": f"Bearer {key}"} if key else None, until))
+    rounds = int(max_rounds) if int(max_rounds) > 0 else None
+    sent = asyncio.run(_attack(url, model, {"Authorization": f"Bearer {key}"} if key else None, until, rounds))
     print(json.dumps(sent))
 
 
 async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48, attack: bool = False,
-                   cancel_after: int = 4, headers: dict | None = None, timeout_s: float = 600) -> dict:
-    """One run; every stream and the attack are bounded by `timeout_s` (a hang fails the run)."""
+                   cancel_after: int = 4, headers: dict | None = None, timeout_s: float = 600,
+                   attack_rounds: int = 0) -> dict:
+    """One run; every stream and the attack are bounded by `timeout_s` (a hang fails the run).
+    `attack_rounds`: rounds of the attack to send (0: one after another until the streams end)."""
     limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
+    t_start = time.perf_counter()
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout_s) as client:
         first = asyncio.Event()
         count, steady = [0], [None]
@@ -115,7 +122,8 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
         attacker = None
         if attack:
             await asyncio.wait_for(first.wait(), timeout_s)
-            attacker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--attack", url, model],
+            attacker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--attack", url, model,
+                                         str(attack_rounds)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
@@ -126,6 +134,7 @@ async def run_load(url: str, model: str, streams: int = 64, max_tokens: int = 48
     start = steady[0] if steady[0] is not None else float("inf")
     gaps = sorted(b - a for r in ran for a, b in zip(r["times"], r["times"][1:]) if a >= start)
     return {"streams": streams, "attack": attack,
+            "t_start": t_start, "t_steady": steady[0], "t_end": time.perf_counter(),     # perf_counter: monotonic
             "ends": {e: sum(r["end"] == e for r in results) for e in sorted({r["end"] for r in results})},
             "failures": [r["end"] for r in results if r["end"] not in ("done", "cancelled")],
             "attack_requests": attacked, "leaked_pages": pages,
@@ -189,7 +198,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="unattacked/attacked pairs, alternating")
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-log", default="/tmp/ridge-serve.log", help="the started server's output")
-    ap.add_argument("--attack", nargs=2, metavar=("URL", "MODEL"), help=argparse.SUPPRESS)
+    ap.add_argument("--attack-rounds", type=int, default=0,
+                    help="rounds of the attack in an attacked run (default 0: one after another until the streams end)")
+    ap.add_argument("--attack", nargs=3, metavar=("URL", "MODEL", "ROUNDS"), help=argparse.SUPPRESS)
     ap.add_argument("engine_args", nargs="*", help="flags for ridge serve after --, e.g. -- --device cpu")
     args = ap.parse_args()
     if args.attack:
@@ -198,9 +209,11 @@ def main() -> int:
     proc, url = (None, args.url) if args.url else _serve(args)
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        headers = {"Authorization": f"Bearer {os.environ['RIDGE_API_KEY']}"} if os.environ.get("RIDGE_API_KEY") else None
+        key = os.environ.get("RIDGE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         asyncio.run(run_load(url, model, 8, 4, headers=headers))                 # warm-up
-        runs = [asyncio.run(run_load(url, model, args.streams, args.max_tokens, attack, headers=headers))
+        runs = [asyncio.run(run_load(url, model, args.streams, args.max_tokens, attack, headers=headers,
+                                     attack_rounds=args.attack_rounds))
                 for _ in range(args.rounds) for attack in (False, True)]
     finally:
         if proc is not None:
@@ -208,7 +221,8 @@ def main() -> int:
             proc.wait(60)
     base = statistics.median(r["gap_p99_s"] for r in runs if not r["attack"])
     hit = statistics.median(r["gap_p99_s"] for r in runs if r["attack"])
-    summary = {"p99_gap_unattacked_s": base, "p99_gap_attacked_s": hit, "ratio": hit / base,
+    summary = {"attack_rounds": args.attack_rounds or "until the streams end",
+               "p99_gap_unattacked_s": base, "p99_gap_attacked_s": hit, "ratio": hit / base,
                "failures": sum(len(r["failures"]) for r in runs), "leaked_pages": max(r["leaked_pages"] for r in runs),
                "attack_requests": sum(len(r["attack_requests"]) for r in runs),
                "attack_statuses": sorted({a["status"] for r in runs for a in r["attack_requests"]})}
