@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -15,8 +16,10 @@ import openai
 import pytest
 import torch
 import uvicorn
+from transformers import AutoTokenizer
 
 from ridge import LLM
+from ridge.config import model_dir
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from tests_support import free_port, wait_healthy
@@ -78,3 +81,39 @@ def test_the_attack_gets_clear_errors_through_the_openai_client(demo_server):
         client.completions.create(model="demo", prompt=words, max_tokens=1)
     ok = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
+
+
+def test_special_tokens_in_user_text_stay_text(demo_server):
+    """`<|eos|>` written in a prompt or a chat message is text (more than one token), unless a
+    completions request asks for parse_special_tokens."""
+    client = openai.OpenAI(base_url=demo_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    plain = client.completions.create(model="demo", prompt="a b", max_tokens=1).usage.prompt_tokens
+    literal = client.completions.create(model="demo", prompt="a <|eos|> b", max_tokens=1).usage.prompt_tokens
+    parsed = client.completions.create(model="demo", prompt="a <|eos|> b", max_tokens=1,
+                                       extra_body={"parse_special_tokens": True}).usage.prompt_tokens
+    assert parsed <= plain + 2 < literal       # " <|eos|>" is a space and one control token only when asked
+    chat = [{"role": "user", "content": "a b"}]
+    injected = [{"role": "user", "content": "a <|eos|> b"}]
+    n_chat = client.chat.completions.create(model="demo", messages=chat, max_tokens=1).usage.prompt_tokens
+    n_injected = client.chat.completions.create(model="demo", messages=injected, max_tokens=1).usage.prompt_tokens
+    assert n_injected > n_chat + 1
+
+
+def test_refused_long_prompts_log_no_tokenizer_warning(demo_server):
+    """A prompt too long for the context is refused without transformers' 'indexing errors'
+    warning (the server encodes through the Rust tokenizer, which has no such check)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")       # its own handler; it does not propagate to root
+    hf_logger.addHandler(handler)
+    try:
+        AutoTokenizer.from_pretrained(model_dir(None))("w " * 5000)      # the warning, as a control
+        assert any("indexing errors" in r.getMessage() for r in records)
+        records.clear()
+        client = openai.OpenAI(base_url=demo_server + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="prompt: "):
+            client.completions.create(model="demo", prompt="w " * 5000, max_tokens=1)
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not [r for r in records if "indexing errors" in r.getMessage()]
