@@ -106,7 +106,9 @@ def test_refused_long_prompts_log_no_tokenizer_warning(demo_server):
     handler = logging.Handler()
     handler.emit = records.append
     hf_logger = logging.getLogger("transformers")       # its own handler; it does not propagate to root
+    level = hf_logger.level
     hf_logger.addHandler(handler)
+    hf_logger.setLevel(logging.WARNING)                  # other tests may have quieted transformers
     try:
         AutoTokenizer.from_pretrained(model_dir(None))("w " * 5000)      # the warning, as a control
         assert any("indexing errors" in r.getMessage() for r in records)
@@ -116,4 +118,5 @@ def test_refused_long_prompts_log_no_tokenizer_warning(demo_server):
             client.completions.create(model="demo", prompt="w " * 5000, max_tokens=1)
     finally:
         hf_logger.removeHandler(handler)
+        hf_logger.setLevel(level)
     assert not [r for r in records if "indexing errors" in r.getMessage()]
