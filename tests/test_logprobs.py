@@ -7,11 +7,8 @@ tokens)."""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
-import torch
-import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -23,7 +20,7 @@ from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from ridge.server.logprobs import TextOffsets, chat_logprobs
 from test_server import KEY, Served
-from tests_support import free_port, wait_healthy
+from tests_support import serving
 
 MODEL = "demo"
 CODE = "def fib(n):\n    if n < 2:\n        return n\n"     # the demo model continues it with newlines
@@ -117,22 +114,11 @@ def test_library_partial_characters_carry_their_bytes(demo_llm):
 # -- the server, through the openai client -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_server():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)       # see tests/test_server.py: one intra-op thread on a small CI machine
     cfg = ServerConfig(model_name=MODEL, api_key=KEY)
     app = create_app(lambda: LLM(demo_model_path(), device="cpu", show_progress=False, max_model_len=256,
                                  kv_cache_memory=16 << 20), cfg)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, "server")
-    yield Served(url, app)
-    srv.should_exit = True
-    thread.join(30)
-    torch.set_num_threads(threads)
-    assert not thread.is_alive()
+    with serving(app) as url:
+        yield Served(url, app)
 
 
 def test_completion_tokens_are_text_with_offsets(demo_server):

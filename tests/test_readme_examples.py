@@ -10,18 +10,15 @@ import io
 import json
 import re
 import shlex
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
 from ridge.cli import build_parser
 from ridge.server.cli import build_app
 from ridge.config import model_dir
-from tests_support import free_port, wait_healthy
+from tests_support import serving
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -65,19 +62,8 @@ def readme_server():
     assert len(serve) == 1, "the README's serving example starts with one `ridge serve` line"
     args = build_parser().parse_args(serve[0][1:])
     app, cfg = build_app(args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # the demo model's ops are tiny; spinning workers only slow the loop
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, "README server")
-    yield url, cfg, args.port
-    srv.should_exit = True
-    thread.join(30)
-    torch.set_num_threads(threads)
-    assert not thread.is_alive()
+    with serving(app, "README server") as url:
+        yield url, cfg, args.port
 
 
 def _here(text: str, readme_port: int, url: str) -> str:

@@ -1,6 +1,5 @@
 """Acceptance: seeded sampling reproducible alone or in a batch; the sampler's pieces."""
 import torch
-import pytest
 
 from ridge import SamplingParams
 from ridge.layers.sampler import SamplingBatch, apply_penalties, filter_probs, sample, uniform_noise

@@ -10,15 +10,13 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from ridge import LLM, SamplingParams
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from ridge.server.text_stream import TextDelta
-from tests_support import free_port, wait_healthy
+from tests_support import serving
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -56,25 +54,12 @@ def metric(m: dict, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    # One intra-op thread: the tiny model's ops are microseconds, and a pool of spinning OpenMP
-    # workers competing with the event loop on a 2-core CI machine makes every step ~10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     path = checkpoints("llama")
     cfg = ServerConfig(model_name=MODEL, api_key=KEY, max_stop=4, max_prompts=4, max_body_bytes=64 * 1024)
     app = create_app(lambda: LLM(path, device="cpu", show_progress=False, max_model_len=MAX_LEN,
                                  kv_cache_memory=8 << 20, max_n=4), cfg)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, "server")
-    yield Served(url, app)
-    srv.should_exit = True
-    thread.join(30)
-    torch.set_num_threads(threads)
-    assert not thread.is_alive()
+    with serving(app) as url:
+        yield Served(url, app)
     assert app.state.engine_client._thread.is_alive() is False      # the engine thread stopped too
 
 

@@ -10,19 +10,16 @@ import importlib.util
 import logging
 import os
 import sys
-import threading
 
 import openai
 import pytest
-import torch
-import uvicorn
 from transformers import AutoTokenizer
 
 from ridge import LLM
 from ridge.config import model_dir
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from tests_support import free_port, wait_healthy
+from tests_support import serving
 
 STREAMS = 64
 
@@ -38,21 +35,10 @@ def _serve_load():
 
 @pytest.fixture(scope="module")
 def demo_server():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # see tests/test_server.py: spinning OpenMP workers starve the event loop
     cfg = ServerConfig(model_name="demo")
     app = create_app(lambda: LLM(device="cpu", show_progress=False, max_num_seqs=STREAMS), cfg)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, "demo server")
-    yield url
-    srv.should_exit = True
-    thread.join(60)
-    torch.set_num_threads(threads)
-    assert not thread.is_alive()
+    with serving(app, "demo server") as url:
+        yield url
 
 
 def test_streams_survive_cancellations_and_the_large_prompt_attack(demo_server):

@@ -1,5 +1,7 @@
 """Helpers shared by test modules."""
+import contextlib
 import socket
+import threading
 import time
 
 import httpx
@@ -51,3 +53,27 @@ def wait_healthy(url: str, what: str, timeout_s: float = 120, poll_s: float = 0.
             pass
         assert time.monotonic() < deadline, f"{what} did not become healthy"
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def serving(app, what: str = "server"):
+    """Run `app` on uvicorn on a free loopback port in a thread; yields its URL. One intra-op torch
+    thread meanwhile: the test models' ops are microseconds, and spinning OpenMP workers competing
+    with the event loop on a 2-core CI machine make every step ~10x slower."""
+    import uvicorn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, what)
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(60)
+        torch.set_num_threads(threads)
+    assert not thread.is_alive(), f"{what} did not stop"
