@@ -68,19 +68,22 @@ def unpack_last(packed: torch.Tensor, order=SEQUENTIAL) -> torch.Tensor:
 
 
 # -- quantization (round to nearest) --------------------------------------------------------------
-def quantize_rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32):
-    """Asymmetric min-max round-to-nearest of w [N, K] in groups of `group_size` along K:
-    (q [N, K] int32 in [0, 15], scales [N, K // G] in scale_dtype, zeros [N, K // G] int32).
-    The range always holds 0 (as compressed-tensors' min-max observer), so z is in [0, 15]; q is
-    computed with the stored (rounded) scale, so dequantize() is exactly what a reader computes."""
+def quantize_rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32,
+                 symmetric: bool = False):
+    """Min-max round-to-nearest of w [N, K] in groups of `group_size` along K: (q [N, K] int32 in
+    [0, 15], scales [N, K // G] in scale_dtype, zeros [N, K // G] int32). Asymmetric: the range
+    always holds 0 (as compressed-tensors' min-max observer), so z is in [0, 15]; symmetric: z = 8
+    and s = max |w| / 7.5 (compressed-tensors' signed int4). q is computed with the stored (rounded)
+    scale, so dequantize() is exactly what a reader of the checkpoint computes."""
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {k} inputs")
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
-    scales = ((hi - lo) / MAX_Q).clamp(min=1e-5).to(scale_dtype)
+    span = 2 * torch.maximum(-lo, hi) if symmetric else hi - lo
+    scales = (span / MAX_Q).clamp(min=1e-5).to(scale_dtype)
     s = scales.float()
-    zeros = torch.round(-lo / s).clamp(0, MAX_Q)
+    zeros = torch.full_like(s, 8.0) if symmetric else torch.round(-lo / s).clamp(0, MAX_Q)
     q = (torch.round(g / s.unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0, MAX_Q)
     return q.reshape(n, k).to(torch.int32), scales, zeros.to(torch.int32)
 
