@@ -314,8 +314,9 @@ class Int4Linear:
         positive scales (never zero), groups in order."""
         qweight, scales, zeros = (self.table(layer, r) for r in ("qweight", "scales", "zeros"))
         dev = qweight.device
-        q = torch.randint(0, 16, (layer.in_features, layer.out_features), generator=generator, device=dev)
-        qweight.copy_(pack_int4(q))
+        # uniform 32-bit words are eight uniform nibbles: no [K, N] codes to pack (an 8B model in seconds)
+        words = torch.randint(0, 2**32, tuple(qweight.shape), generator=generator, device=dev, dtype=torch.int64)
+        qweight.copy_((words - 2**31).to(torch.int32))
         scales.uniform_(0.5 * DUMMY_SCALE, 1.5 * DUMMY_SCALE, generator=generator)
         zeros.fill_(8.0)
         if "g_idx" in self.names:
