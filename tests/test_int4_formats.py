@@ -339,12 +339,16 @@ def test_bad_checkpoints_are_rejected_naming_the_tensor_and_field(tmp_path, buil
         (variant(tmp_path, awq, "bits", bits=8), r"quantization_config\.bits: 8 is not supported \(INT4 only\)"),
         (variant(tmp_path, gptq, "group", group_size=96),
          r"quantization_config\.group_size: 96 does not divide the layer's 256 inputs"),
+        (variant(tmp_path, gptq, "bias", lambda t: t.update({f"{q}.bias": torch.ones(256)})),
+         rf"checkpoint tensor '{q}\.bias' has no place"),
     ]
     for path, error in cases:
         with pytest.raises(ValueError, match=error):
             build(path)
     with pytest.raises(ValueError, match=cases[0][1]):
         engine(cases[0][0])                                  # LLM(...) refuses before it serves
+    zero_bias = variant(tmp_path, gptq, "zero-bias", lambda t: t.update({f"{q}.bias": torch.zeros(256)}))
+    assert build(zero_bias).model.layers[0].self_attn.qkv_proj.bias is None     # AutoGPTQ's zero biases: skipped
     with pytest.raises(ValueError, match=r"quantization: 'int4' \(group size 128\) does not divide the layer's 64"):
         build(make_random_checkpoint(str(tmp_path / "tiny"), with_tokenizer=False), quantization="int4")
 

@@ -123,6 +123,8 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         continue
                     pname, shard = _param_slot(model, name)
                     if (pname, shard) not in expected:
+                        if cfg.quant is not None and name.endswith(".bias") and not f.get_tensor(name).any():
+                            continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)
                         raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                          f"(config and checkpoint disagree)")
                     try:
