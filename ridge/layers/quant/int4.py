@@ -217,9 +217,9 @@ class Int4Linear:
         k, n = layer.in_features, layer.out_features
         self.group_size = g = config.group_for(k)
         if k % g or k % PACK:
-            field = "quantization: 'int4' (group size" if fmt == "int4" else "quantization_config.group_size:"
-            raise ValueError(f"{field} {config.group_size}{')' if fmt == 'int4' else ''} does not divide the layer's "
-                             f"{k} inputs (or they are not a multiple of {PACK})")
+            field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
+                     else f"quantization_config.group_size: {config.group_size}")
+            raise ValueError(f"{field} does not divide the layer's {k} inputs (or they are not a multiple of {PACK})")
         packs_n = fmt in ("awq", "gptq") or (fmt == "compressed-tensors" and not config.symmetric)
         bad = [size for _, size in layer.shards.values() if packs_n and size % PACK]
         if bad:
