@@ -63,6 +63,10 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization_config: dict | None = None   # config.json's, as written (AWQ, GPTQ, compressed-tensors)
+    # the scheme the Linear layers are built with (ridge.layers.quant.int4.Int4Config), chosen by the
+    # model loader from the `quantization` setting and quantization_config; None: float weights
+    quant: object | None = None
 
     @property
     def q_size(self) -> int:
@@ -132,6 +136,7 @@ class ModelConfig:
             checkpoint_dtype=parse_dtype(dtype_name),
             bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
+            quantization_config=raw.get("quantization_config"),
         )
 
 
@@ -207,6 +212,11 @@ class EngineConfig:
     load_format: str = setting("auto", choices=("auto", "dummy"),
                                help="auto: read the checkpoint's safetensors; dummy: random weights from --seed, "
                                     "nothing read (for benchmarks)")
+    quantization: str | None = setting(
+        None, choices=("awq", "gptq", "compressed-tensors", "int4"),
+        help="INT4 weights (W4A16): awq, gptq or compressed-tensors name the format a quantized checkpoint must be "
+             "in; int4 quantizes a float checkpoint at load (round to nearest, group 128)",
+        default_text="the checkpoint's: config.json's quantization_config, else none")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):

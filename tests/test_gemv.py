@@ -192,8 +192,8 @@ def test_linear_fuses_its_input_activation_into_the_one_row_gemv(monkeypatch):
 def test_llama_mlp_is_down_of_silu_of_gate_up():
     from ridge.models.llama import LlamaMLP
 
-    class Cfg:   # the three fields LlamaMLP reads
-        hidden_size, intermediate_size, mlp_bias = 16, 40, False
+    class Cfg:   # the four fields LlamaMLP reads
+        hidden_size, intermediate_size, mlp_bias, quant = 16, 40, False, None
     mlp = LlamaMLP(Cfg())
     g = gen(5)
     for p in mlp.parameters():

@@ -40,6 +40,7 @@ BAD = [
     ("async_scheduling", None),
     ("attention_backend", "flash"), ("attention_backend", None),
     ("load_format", "pt"),
+    ("quantization", "fp8"), ("quantization", 4),
 ]
 
 
@@ -121,7 +122,7 @@ def test_flags_round_trip():
     cfg = EngineConfig(model="/m", device="cpu", dtype="bfloat16", max_model_len=64, max_num_seqs=3,
                        max_num_batched_tokens=99, kv_cache_memory=4_000_000, page_size=8,
                        enable_prefix_caching=False, seed=7, max_n=2, enforce_eager=True, async_scheduling=False,
-                       attention_backend="torch", load_format="dummy")
+                       attention_backend="torch", load_format="dummy", quantization="compressed-tensors")
     assert settings.from_args(EngineConfig, _parse(EngineConfig, settings.to_args(cfg))) == cfg
     frac = EngineConfig(gpu_memory_utilization=0.5)
     assert settings.from_args(EngineConfig, _parse(EngineConfig, settings.to_args(frac))) == frac

@@ -87,10 +87,10 @@ def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCos
     return costs
 
 
-def gemm_cost(name: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, w: Precision,
-              step: StepShape, out_bytes: float | None = None) -> OpCost:
-    """x [rows, k] @ weight[n, k]^T (+ bias), the weight stored as `w`."""
-    (n, k), a = weight.shape, step.act.bytes
+def gemm_cost(name: str, rows: int, weight: torch.Tensor | tuple[int, int], bias: torch.Tensor | None,
+              w: Precision, step: StepShape, out_bytes: float | None = None) -> OpCost:
+    """x [rows, k] @ weight[n, k]^T (+ bias), the weight (a tensor, or its (n, k) shape) stored as `w`."""
+    (n, k), a = tuple(weight.shape if isinstance(weight, torch.Tensor) else weight), step.act.bytes
     params = n * k * w.bytes + (n * bias.element_size() if bias is not None else 0)
     flops = 2 * rows * n * k + (rows * n if bias is not None else 0)
     return OpCost(name, "gemm", flops, params + rows * k * a + rows * n * (a if out_bytes is None else out_bytes),

@@ -13,6 +13,10 @@ on the GEMV path, fused into the GEMV's K loop (no activation kernel, no [1, K] 
 the activation names a GEMV act (`gemv_act`). The fusion pays only on the M = 1 FMA path: at M =
 2-8 the GEMV's tensor-core path recomputes the activation per tile and loses to the separate
 kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summation order differs.
+
+With a quantization config (`quant`, ridge/layers/quant/int4.py) the layer's tables, their
+loading and its GEMM belong to the INT4 method object (vLLM's LinearMethod); the Linear keeps its
+shards, bias and input activation, and states the INT4 bytes in its cost.
 """
 from __future__ import annotations
 
@@ -32,27 +36,53 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: dict[str, int] | int, bias: bool = False,
-                 input_act: nn.Module | None = None):
+                 input_act: nn.Module | None = None, quant=None):
         super().__init__()
         out_sizes = {"": out_sizes} if isinstance(out_sizes, int) else out_sizes
         self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows)
         offset = 0
         for name, size in out_sizes.items():
             self.shards[name], offset = (offset, size), offset + size
+        self.in_features, self.out_features = in_features, offset
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
         param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
                                                  self.weight_loader, shard_ids)
-        self.weight, self.bias = param(offset, in_features), param(offset) if bias else None
+        # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
+        self.quant_method = quant.linear_method(self) if quant is not None else None
+        if self.quant_method is None:
+            self.weight = param(offset, in_features)
+        self.bias = param(offset) if bias else None
         self.input_act = input_act
+
+    def shard_slot(self, param: nn.Parameter, shard_id: str | None) -> tuple[int, int]:
+        """(first row, rows) of the outputs a checkpoint tensor for `shard_id` fills."""
+        if (shard_id is None) != (param.shard_ids is None) or (shard_id is not None and shard_id not in self.shards):
+            raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
+        return self.shards[shard_id] if shard_id is not None else (0, self.out_features)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy a checkpoint tensor into param, or into its rows for shard_id of a merged layer."""
-        if (shard_id is None) != (param.shard_ids is None) or (shard_id is not None and shard_id not in self.shards):
-            raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
-        default_weight_loader(param if shard_id is None else param.data.narrow(0, *self.shards[shard_id]), loaded)
+        rows = self.shard_slot(param, shard_id)
+        default_weight_loader(param if shard_id is None else param.data.narrow(0, *rows), loaded)
+
+    def finish_loading(self) -> None:
+        """Called by the model loader once every tensor is in (INT4: the act-order permutation)."""
+        if self.quant_method is not None:
+            self.quant_method.finish_loading(self)
+
+    def initialize_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Dummy weights (load_format "dummy"): normal(0, std), or the INT4 tables' own."""
+        if self.quant_method is not None:
+            self.quant_method.initialize_dummy(self, generator)
+        else:
+            self.weight.normal_(0.0, std, generator=generator)
+        if self.bias is not None:
+            self.bias.normal_(0.0, std, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """input_act(x) @ weight^T (+ bias)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x if self.input_act is None else self.input_act(x))
         gemv_path = uses_gemv(x, self.weight)
         act = getattr(self.input_act, "gemv_act", None)
         if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
@@ -62,13 +92,15 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weight_precision(self, step: StepShape) -> Precision:
-        """Its dtype, or the step's what-if format (a quantised Linear states its own)."""
-        return step.weights or precision_of(self.weight.dtype)
+        """The step's what-if format, else its own: INT4 with its group scales, or its dtype."""
+        if step.weights is not None:
+            return step.weights
+        return self.quant_method.precision(step.act) if self.quant_method is not None else precision_of(self.weight.dtype)
 
     def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
              name: str = "linear") -> list[OpCost]:
         """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
         the input activation's ops first (they run inside this forward, or inside the GEMV)."""
-        act = self.input_act.cost(step, self.weight.shape[1]) if self.input_act is not None else []
-        return act + [gemm_cost(name, step.num_tokens if rows is None else rows, self.weight, self.bias,
-                                self.weight_precision(step), step, out_bytes)]
+        act = self.input_act.cost(step, self.in_features) if self.input_act is not None else []
+        return act + [gemm_cost(name, step.num_tokens if rows is None else rows, (self.out_features, self.in_features),
+                                self.bias, self.weight_precision(step), step, out_bytes)]

@@ -2,7 +2,8 @@
 one file: the differences are flags on ModelConfig, not copies of the model. Module and parameter
 names follow the HF checkpoints except the merged projections (`qkv_proj`, `gate_up_proj`):
 `checkpoint_name_map` tells the loader which parameter and shard a checkpoint tensor goes to; the
-parameter's own weight_loader puts it in place.
+parameter's own weight_loader puts it in place. `cfg.quant` (INT4 weights) goes to the projections;
+the embeddings and the LM head stay in the activation dtype.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
 chunks and decode tokens side by side; only attention needs to know where sequences begin.
@@ -34,8 +35,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                               bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+                               bias=cfg.qkv_bias, quant=cfg.quant)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
@@ -62,9 +63,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                   bias=cfg.mlp_bias)
+                                   bias=cfg.mlp_bias, quant=cfg.quant)
         # the activation is down_proj's input: fused into its K loop on the one-row GEMV path (linear.py)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul())
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul(),
+                                quant=cfg.quant)
 
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x))

@@ -8,9 +8,17 @@ parameter is filled in place from a seeded generator, so a model of any size (be
 8B-70B) starts in the time it takes to write its weights once, with no checkpoint on disk:
 normal(0, 0.02) as transformers initialises matrices and embeddings, norm weights 1 + normal(0,
 0.02). Never zeros: a zero weight could let a kernel skip work, or hide a wrong read, that real ones would not.
+A module that knows its own tables (an INT4 Linear: integer codes, scales) fills them itself
+(`initialize_dummy`), so an 8B-shaped INT4 engine starts without a checkpoint too.
+
+Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the model is built, from
+the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
+format's tensors. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
+act-order: the input permutation needs all of a layer's tensors).
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,6 +30,7 @@ from tqdm.auto import tqdm
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
+from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -64,9 +73,11 @@ def _checkpoint_name(model, pname: str, shard: str | None) -> str:
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, show_progress: bool = True,
-               load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    quant = select_quantization(quantization, cfg.quantization_config)
+    cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
     try:
@@ -81,11 +92,20 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
 @torch.no_grad()
 def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter in place on its device from one generator seeded with `seed`, in
-    parameter order: the same seed gives the same model (see the module docstring)."""
+    parameter order: the same seed gives the same model (see the module docstring). A module with
+    `initialize_dummy(generator, std)` fills its own parameters, at its first one's turn."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    owners = {id(p): m for m in model.modules() if callable(getattr(m, "initialize_dummy", None))
+              for p in m.parameters(recurse=False)}
     generators = {p.device: torch.Generator(device=p.device).manual_seed(seed) for p in model.parameters()}
+    filled = set()
     for p in model.parameters():
-        p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[p.device])
+        owner = owners.get(id(p))
+        if owner is None:
+            p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[p.device])
+        elif id(owner) not in filled:
+            filled.add(id(owner))
+            owner.initialize_dummy(generators[p.device], DUMMY_STD)
 
 
 @torch.no_grad()
@@ -103,6 +123,8 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         continue
                     pname, shard = _param_slot(model, name)
                     if (pname, shard) not in expected:
+                        if cfg.quant is not None and name.endswith(".bias") and not f.get_tensor(name).any():
+                            continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)
                         raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                          f"(config and checkpoint disagree)")
                     try:
@@ -116,3 +138,9 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
         names = [_checkpoint_name(model, p, s) for p, s in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"model: checkpoint {path!r} is missing tensors: {shown}")
+    for name, module in model.named_modules():
+        if callable(getattr(module, "finish_loading", None)):
+            try:
+                module.finish_loading()
+            except ValueError as e:
+                raise ValueError(f"model: {name}: {e}") from None

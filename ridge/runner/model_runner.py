@@ -52,7 +52,7 @@ class ModelRunner:
         self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
-                                load_format=cfg.load_format, seed=cfg.seed)
+                                load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
         self.kv_cache, self.decode_graphs = None, None      # set by allocate_kv_cache, setup_decode
         self.warm_up_seconds = 0.0
         # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
