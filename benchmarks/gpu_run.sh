@@ -8,6 +8,8 @@
 #   attention      benchmarks/attention.py            -> attention.json
 #   gemv           benchmarks/gemv.py                 -> gemv.json
 #   fused          benchmarks/fused_kernels.py        -> fused_kernels.json
+#   int4           benchmarks/int4_gemm.py: W4A16 kernels vs cuBLAS bf16 and tinygemm, 8B/70B shapes
+#                  (INT4_ARGS passes flags, e.g. --models llama3-8b) -> int4_gemm.json
 #   ab             benchmarks/ab.py: this tree vs the baseline export (.baseline/, written by
 #                  benchmarks/make_baseline.sh and carried along) on the 8B shape -> ab.json
 #   dummy          benchmarks/engine_ready.py: 8B-shaped engine ready time, --load-format dummy,
@@ -29,7 +31,9 @@ BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
 KNOWN=tests-kernels,attention,gemv,fused,ab,dummy,tests-engine,fastpath,serve-load
+KNOWN=$KNOWN,int4
 KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py tests/test_pdl.py"
+KERNEL_TESTS="$KERNEL_TESTS tests/test_int4_kernels.py"
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -81,6 +85,8 @@ if has attention || has gemv || has fused; then wait_ckpt; fi
 part attention 60 240 "python3 benchmarks/attention.py --json $OUT/attention.json"
 part gemv 60 200 "python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json $OUT/gemv.json | tail -${GEMV_TAIL:-60}"
 part fused 60 180 "python3 benchmarks/fused_kernels.py --json $OUT/fused_kernels.json"
+if has int4; then wait_ckpt; fi
+part int4 90 450 "python3 benchmarks/int4_gemm.py ${INT4_ARGS:-} --json $OUT/int4_gemm.json | tail -${INT4_TAIL:-100}"
 if has ab; then
   wait_ckpt
   if [ -f "$BASELINE/benchmarks/fast_path.py" ]; then

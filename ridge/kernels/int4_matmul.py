@@ -10,10 +10,22 @@ Packing along K keeps eight consecutive K elements of one output column in one 3
 tile of the weight is a plain 2-D load with N contiguous (coalesced), and the eight nibbles of a
 word are the eight K values one column's dot product needs next, so they are unpacked in
 registers right before the multiply; the scale and zero of a group are one row of each table.
+
+`int4_matmul` is the entry point: Triton kernels for CUDA tensors (and for CPU tensors under
+TRITON_INTERPRET=1, so the interpreter tests run them), the torch reference otherwise.
+  * M <= 64 rows: ridge/kernels/int4_gemv.py, the decode kernel: a weight stream dequantized in the
+    MMA's operand registers, split-K reduced in the same launch.
+  * M > 64: ridge/kernels/int4_gemm.py, an autotuned wgmma GEMM with the weight tile dequantized
+    between its load and the MMA.
+Both read this layout as it is: no re-layout at load time. The words of a tile row are N-contiguous
+(16-byte coalesced loads as stored), and the skinny kernel gets the MMA operand layout by
+permuting the order of K inside a tile (x is permuted to match, in registers) rather than by
+reshuffling the weights in memory, so checkpoints' loaders hand their tensors over unchanged.
 """
 from __future__ import annotations
 
 import torch
+import triton
 
 PACK = 8            # int4 values per int32 word
 
@@ -49,7 +61,58 @@ def int4_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (x.float() @ dequantize_int4(qweight, scales, zeros, group_size)).to(x.dtype)
 
 
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
+    K = x.shape[-1]
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"int4_matmul: qweight must be 2-D int32 [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    N = qweight.shape[1]
+    if K % PACK or qweight.shape[0] != K // PACK:
+        raise ValueError(f"int4_matmul: x has K = {K} columns; qweight {tuple(qweight.shape)} needs K = "
+                         f"{qweight.shape[0] * PACK} (a multiple of {PACK})")
+    if group_size <= 0 or group_size % PACK or K % group_size:
+        raise ValueError(f"int4_matmul: group_size {group_size} must be a multiple of {PACK} dividing K = {K}")
+    if group_size not in (32, 64, 128) and group_size != K and group_size % 128:
+        raise ValueError(f"int4_matmul: group_size {group_size} not supported (32, 64, 128, a multiple of 128, or K)")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.shape != (K // group_size, N) or t.dtype != x.dtype:
+            raise ValueError(f"int4_matmul: {name} must be [{K // group_size}, {N}] {x.dtype}, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+    if not (x.device == qweight.device == scales.device == zeros.device):
+        raise ValueError("int4_matmul: x, qweight, scales and zeros must be on one device")
+    return N, K
+
+
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """x [M, K] @ W [K, N]."""
-    return int4_matmul_ref(x, qweight, scales, zeros, group_size)
+                group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W [K, N] -> [..., N] in x's dtype, fp32 accumulation.
+
+    qweight, scales, zeros in ridge's layout (module docstring); scales and zeros in x's dtype,
+    zeros holding integers in [0, 16] (the kernels use them exactly in 16-bit arithmetic).
+    group_size: 32, 64, 128 (or a multiple of 128), or K (one group per column).
+    bf16 / fp16 x on CUDA (or on the CPU under TRITON_INTERPRET=1) run the Triton kernels; other
+    dtypes and plain CPU tensors run int4_matmul_ref. CUDA-graph capturable after one call on the
+    stream (the split-K ticket table is allocated on first use).
+    """
+    N, K = _check(x, qweight, scales, zeros, group_size)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    use_kernel = x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or triton.knobs.runtime.interpret)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"int4_matmul: out must be [{M}, {N}] {x.dtype} on {x.device} with contiguous rows")
+    if M == 0 or N == 0:
+        return out.reshape(*lead, N)
+    if not use_kernel:
+        return out.copy_(int4_matmul_ref(x2, qweight, scales, zeros, group_size)).reshape(*lead, N)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    from ridge.kernels.int4_gemv import GEMV_MAX_M, int4_gemv   # noqa: PLC0415 - Triton kernels load lazily
+    if M <= GEMV_MAX_M:
+        int4_gemv(x2, qweight, scales, zeros, group_size, out)
+    else:
+        from ridge.kernels.int4_gemm import int4_gemm   # noqa: PLC0415
+        int4_gemm(x2, qweight, scales, zeros, group_size, out)
+    return out.reshape(*lead, N)

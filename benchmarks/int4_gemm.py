@@ -1,0 +1,283 @@
+"""GPU benchmark of ridge's W4A16 kernels (ridge/kernels/int4_matmul.py) against cuBLAS bf16 and
+torch's tinygemm int4, on the Llama-3-8B and -70B projection shapes.
+
+    python benchmarks/int4_gemm.py [--json PATH] [--rows 1 2 4 ...] [--models llama3-8b llama3-70b]
+                                   [--only o down] [--splits 1 2 4 8 16 32] [--dry-run]
+
+(JSON defaults to $OUT/int4_gemm.json when OUT is set; --dry-run prints the plan without a GPU.)
+
+Cases: N x K = qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336 (8B);
+qkv 10240 x 8192, o 8192 x 8192, gate_up 57344 x 8192, down 8192 x 28672, kv 1024 x 8192 (70B:
+one of k / v, the shape tensor parallelism leaves), at M = 1 ... 512 rows, bf16 activations,
+group size 128. Peers, on the same quantized weight:
+  * ridge: int4_matmul(x, qweight, scales, zeros, 128), ridge's layout.
+  * cuBLAS bf16: F.linear(x, W) with the dequantized weight in bf16 [N, K].
+  * tinygemm: torch.ops.aten._weight_int4pack_mm(x, packed, 128, scales_and_zeros), the weight
+    converted by _convert_weight_to_int4pack(uint8 [N, K / 2], inner_k_tiles=8) and the zero
+    point written its way, w = (q - 8) s + (8 - z) s. "unavailable" where the op is missing.
+Correctness first: every peer's output on the first input set against an fp32 reference of the
+same dequantized weight (err = max |y - ref| / max |ref|); a ridge result over 1e-2 is reported
+WRONG and not timed.
+
+Timing: benchmarks/timing.py: a CUDA graph of back-to-back calls (>= --calls), replayed --reps
+times, the median time per call; each peer's calls rotate through enough weight copies that the
+copies together exceed twice the L2 (no weight is read from L2) and through fresh random inputs
+(never zeros). Peers run one after the other in the same process, on the same device.
+frac = (INT4 weight + scales + zeros + x + y bytes) / ridge time / the copy bandwidth measured in
+the same run (bf16: W + x + y bytes). x bf16 = bf16 time / ridge time, x tiny = tinygemm / ridge.
+Targets (issue 15): >= 3.3x bf16 at M = 1, >= 3.0x at M = 16, never slower than bf16, faster than
+tinygemm at every M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls  # noqa: E402
+
+from ridge.bench.common import fmt  # noqa: E402
+
+DT = torch.bfloat16
+GROUP = 128
+SHAPES = {
+    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "llama3-70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672),
+                   ("kv", 1024, 8192)],
+}
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+TARGETS = {1: 3.3, 16: 3.0}            # x cuBLAS bf16 at these M (issue 15)
+WRONG = 1e-2
+
+
+def int4_bytes(c: dict, group: int = GROUP) -> int:
+    """Bytes the INT4 kernel must move: packed weight, scales and zeros (2 bytes each per group
+    and column), x in, y out."""
+    N, K, M = c["N"], c["K"], c["M"]
+    return N * K // 2 + 2 * 2 * (K // group) * N + 2 * (M * K + M * N)
+
+
+def bf16_bytes(c: dict) -> int:
+    return 2 * (c["N"] * c["K"] + c["M"] * c["K"] + c["M"] * c["N"])
+
+
+def sets_for(N: int, K: int, M: int, l2: int) -> int:
+    """INT4 weight copies whose total exceeds 2x L2."""
+    return copies_for(int4_bytes(dict(N=N, K=K, M=M)), l2)
+
+
+def cases(args) -> list[dict]:
+    return [dict(model=m, proj=p, N=N, K=K, M=M) for m in args.models for (p, N, K) in SHAPES[m]
+            if not args.only or p in args.only for M in args.rows]
+
+
+def quantized(N: int, K: int, gen: torch.Generator):
+    """A random INT4 weight in ridge's layout (never zeros: q uniform in [0, 15], zeros integer in
+    [0, 15], scales ~ 1 / sqrt(K))."""
+    from ridge.kernels.int4_matmul import pack_int4
+    q = torch.randint(0, 16, (K, N), generator=gen, device="cuda", dtype=torch.int32)
+    s = ((torch.rand(K // GROUP, N, generator=gen, device="cuda") + 0.5) * 0.2 / K**0.5).to(DT)
+    z = torch.randint(0, 16, (K // GROUP, N), generator=gen, device="cuda").to(DT)
+    return q, pack_int4(q), s, z
+
+
+def tinygemm_weight(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor):
+    """ridge's q [K, N] and tables -> tinygemm's packed weight and [K / G, N, 2] scales-and-zeros
+    (its dequant is (q - 8) s + zt, so zt = (8 - z) s)."""
+    qt = q.t().contiguous()
+    w_uint8 = ((qt[:, ::2] << 4) | qt[:, 1::2]).to(torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack(w_uint8, 8)
+    sz = torch.stack([s.float(), (8 - z.float()) * s.float()], dim=2).to(DT).contiguous()
+    return packed, sz
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
+    import torch.nn.functional as F
+
+    from ridge.kernels.int4_matmul import dequantize_int4, int4_matmul
+    N, K, M = c["N"], c["K"], c["M"]
+    res = {**c, "int4_bytes": int4_bytes(c), "bf16_bytes": bf16_bytes(c)}
+    n_i4 = copies_for(int4_bytes(c), l2)
+    calls = calls_for(n_i4, args.calls)
+    xs = [torch.randn(M, K, generator=gen, device="cuda").to(DT) for _ in range(calls)]
+    q, qw, s, z = quantized(N, K, gen)
+    w = dequantize_int4(qw, s, z, GROUP)
+    ref = xs[0].float() @ w
+    w_bf16 = w.t().contiguous().to(DT)
+    del w
+    peers = {}
+    # ridge: set 0 is checked, the other copies are fresh random weights of the same shape
+    ridge_sets = [(qw, s, z)] + [quantized(N, K, gen)[1:] for _ in range(n_i4 - 1)]
+    res["ridge_err"] = rel_err(int4_matmul(xs[0], qw, s, z, GROUP), ref)
+    if res["ridge_err"] <= WRONG:
+        peers["ridge"] = ([(lambda i=i: int4_matmul(xs[i], *ridge_sets[i % n_i4], GROUP)) for i in range(calls)], n_i4)
+    else:
+        print(f"  ridge WRONG: err {res['ridge_err']:.2e} > {WRONG} (not timed)", flush=True)
+    n_bf = copies_for(N * K * 2, l2)
+    bf_sets = [w_bf16] + [(torch.randn(N, K, generator=gen, device="cuda") * K**-0.5).to(DT) for _ in range(n_bf - 1)]
+    cb = calls_for(n_bf, args.calls)
+    xb = xs * (cb // len(xs) + 1)
+    res["bf16_err"] = rel_err(F.linear(xs[0], w_bf16), ref)
+    peers["bf16"] = ([(lambda i=i: F.linear(xb[i], bf_sets[i % n_bf])) for i in range(cb)], n_bf)
+    try:
+        tg = tinygemm_weight(q, s, z)
+        res["tinygemm_err"] = rel_err(torch.ops.aten._weight_int4pack_mm(xs[0], tg[0], GROUP, tg[1]), ref)
+        tg_sets = [tg] + [tinygemm_weight(q_, s_, z_) for q_, _, s_, z_ in (quantized(N, K, gen) for _ in range(n_i4 - 1))]
+        peers["tinygemm"] = ([(lambda i=i: torch.ops.aten._weight_int4pack_mm(xs[i], tg_sets[i % n_i4][0], GROUP,
+                                                                              tg_sets[i % n_i4][1]))
+                              for i in range(calls)], n_i4)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        res["tinygemm_err"] = None
+        res["tinygemm_unavailable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        print(f"  tinygemm unavailable ({res['tinygemm_unavailable']})", flush=True)
+    del ref
+    for name, (fns, sets) in peers.items():
+        try:
+            t = time_calls(fns, sets=sets, reps=args.reps)
+            res[f"{name}_us"], res[f"{name}_spread"], res[f"{name}_sets"] = t.median_us, t.spread, sets
+        except Exception as e:  # noqa: BLE001 - a failing peer reports n/a, the run goes on
+            print(f"  {name}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
+    if args.splits and M <= 64 and "ridge" in peers:
+        res["split_sweep"] = sweep_splits(xs, ridge_sets, calls, n_i4, args)
+    r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")
+    res["x_bf16"] = b_us / r_us if r_us and b_us else None
+    res["x_tinygemm"] = t_us / r_us if r_us and t_us else None
+    res["ridge_frac"] = int4_bytes(c) / (r_us * 1e-6) / 1e9 / copy_gbps if r_us else None
+    res["bf16_frac"] = bf16_bytes(c) / (b_us * 1e-6) / 1e9 / copy_gbps if b_us else None
+    res["ridge_tflops"] = 2 * M * N * K / (r_us * 1e-6) / 1e12 if r_us else None
+    res["bf16_tflops"] = 2 * M * N * K / (b_us * 1e-6) / 1e12 if b_us else None
+    return res
+
+
+def sweep_splits(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
+    """The skinny kernel at each split-K of --splits that divides the K tiles (the heuristic's
+    other choices fixed): {split: us}, and the heuristic's own pick, to set split_k_for from data."""
+    from ridge.kernels import int4_gemv as gv
+    qw, s, z = ridge_sets[0]
+    M, K = xs[0].shape
+    N = qw.shape[1]
+    heur = gv.int4_gemv_config(M, N, K, GROUP, torch.cuda.get_device_properties(0).multi_processor_count)
+    outs = [torch.empty(M, N, device="cuda", dtype=DT) for _ in range(calls)]
+    out = {"heuristic": heur.split_k, "us": {}}
+    for split in args.splits:
+        if -(-K // heur.block_k) % split:
+            continue
+        cfg = heur._replace(split_k=split)
+        t = time_calls([(lambda i=i: gv.int4_gemv(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg))
+                        for i in range(calls)], sets=n_i4, reps=args.reps)
+        out["us"][split] = t.median_us
+    return out
+
+
+def verdicts(rows: list[dict]) -> dict:
+    """The issue's targets over the rows that have the numbers."""
+    out = {}
+    for m, target in TARGETS.items():
+        xs = [r["x_bf16"] for r in rows if r["M"] == m and r.get("x_bf16")]
+        out[f"x_bf16_at_M{m}"] = {"target": target, "min": min(xs) if xs else None,
+                                  "met": bool(xs) and min(xs) >= target}
+    xs = [r["x_bf16"] for r in rows if r.get("x_bf16")]
+    out["never_slower_than_bf16"] = {"min": min(xs) if xs else None, "met": bool(xs) and min(xs) >= 1.0}
+    xt = [r["x_tinygemm"] for r in rows if r.get("x_tinygemm")]
+    out["faster_than_tinygemm"] = {"min": min(xt) if xt else None, "met": bool(xt) and min(xt) > 1.0}
+    out["all_correct"] = all(r["ridge_err"] <= WRONG for r in rows)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- driver
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    out_dir = os.environ.get("OUT")
+    ap.add_argument("--json", default=os.path.join(out_dir, "int4_gemm.json") if out_dir else None)
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
+    ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--only", nargs="+", default=None, help="projection names to keep (e.g. o down)")
+    ap.add_argument("--calls", type=int, default=20, help="minimum calls captured per graph")
+    ap.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
+    ap.add_argument("--splits", type=int, nargs="*", default=None,
+                    help="also time the M <= 64 kernel at these split-K values (e.g. 1 2 4 8 16 32)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
+    args = ap.parse_args(argv)
+    if any(m < 1 for m in args.rows) or any(v < 1 for v in args.splits or []):
+        ap.error("--rows and --splits must be positive")
+    if args.calls < 1 or args.reps < 1:
+        ap.error("--calls and --reps must be positive")
+    known = {p for m in SHAPES.values() for (p, *_) in m}
+    if args.only and not set(args.only) <= known:
+        ap.error(f"--only: unknown projection(s) {sorted(set(args.only) - known)}; known: {sorted(known)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    plan = cases(args)
+    if args.dry_run:
+        print(f"{len(plan)} cases")
+        for c in plan:
+            print(f"  {c['model']:<10} {c['proj']:<8} M={c['M']:<4} N={c['N']:>6} K={c['K']:>6} "
+                  f"int4 {int4_bytes(c) / 1e6:7.1f} MB  bf16 {bf16_bytes(c) / 1e6:7.1f} MB  "
+                  f"int4 copies {sets_for(c['N'], c['K'], c['M'], 50 << 20)}")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/int4_gemm.py needs a CUDA GPU (--dry-run prints the plan; the kernels' CPU "
+                 "checks are tests/test_int4_kernels.py under TRITON_INTERPRET=1)")
+    import triton
+
+    t_start = time.perf_counter()
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    l2 = device_l2_bytes()
+    copy_gbps = copy_bandwidth_gbps()
+    result = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "l2_bytes": l2, "torch": torch.__version__, "triton": triton.__version__, "seed": seed,
+              "dtype": str(DT), "group_size": GROUP, "copy_GBps": copy_gbps, "calls_min": args.calls,
+              "reps": args.reps, "rows": []}
+    for c in plan:
+        print(f"{c['model']} {c['proj']} M={c['M']} ...", flush=True)
+        result["rows"].append(run_case(c, gen, l2, copy_gbps, args))
+        torch.cuda.empty_cache()
+    result["verdicts"] = verdicts(result["rows"])
+    result["wall_s"] = time.perf_counter() - t_start
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+    print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s  bf16 x, INT4 g{GROUP} weights, "
+          f"seed {seed}, {result['wall_s']:.0f} s")
+    print("CUDA-graph medians (us); x bf16 / x tiny = peer time / ridge time; frac = INT4 bytes / time / copy bw; "
+          "err = max|y - ref| / max|ref| vs fp32")
+    print(f"{'model':<10} {'proj':<8}{'M':>4} {'ridge':>8} {'bf16':>8} {'tiny':>8} {'x bf16':>7} {'x tiny':>7} "
+          f"{'frac':>5} {'TF/s':>6} {'err':>8}")
+    for r in result["rows"]:
+        print(f"{r['model']:<10} {r['proj']:<8}{r['M']:>4} {fmt(r.get('ridge_us'), '.1f'):>8} "
+              f"{fmt(r.get('bf16_us'), '.1f'):>8} "
+              f"{'unavail' if r.get('tinygemm_unavailable') else fmt(r.get('tinygemm_us'), '.1f'):>8} "
+              f"{fmt(r['x_bf16'], '.2f'):>7} {fmt(r['x_tinygemm'], '.2f'):>7} {fmt(r['ridge_frac'], '.2f'):>5} "
+              f"{fmt(r['ridge_tflops'], '.0f'):>6} {r['ridge_err']:>8.1e}" + ("  WRONG" if r["ridge_err"] > WRONG else ""))
+    sweeps = [r for r in result["rows"] if r.get("split_sweep")]
+    if sweeps:
+        print("split-K sweep (us per split; * = the heuristic's pick)")
+        for r in sweeps:
+            sw = r["split_sweep"]
+            print(f"  {r['model']:<10} {r['proj']:<8} M={r['M']:<3} " + "  ".join(
+                f"{k}{'*' if k == sw['heuristic'] else ''}: {v:.1f}" for k, v in sw["us"].items()))
+    v = result["verdicts"]
+    print("targets: " + "; ".join(f"{k} {fmt(e.get('min'), '.2f')}"
+                                  + (f" (>= {e['target']})" if "target" in e else "") + (" met" if e["met"] else " NOT met")
+                                  for k, e in v.items() if isinstance(e, dict))
+          + f"; all ridge results correct: {v['all_correct']}")
+
+
+if __name__ == "__main__":
+    main()
