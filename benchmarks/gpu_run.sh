@@ -16,6 +16,8 @@
 #                  cold then warm compile cache -> engine_ready.json
 #   tests-engine   pytest -m gpu on the remaining GPU test files (engine, roofline)
 #   fastpath       benchmarks/fast_path.py (a)-(c) on the 8B shape with the HF peer -> fast_path_8b.json
+#   int4-e2e       ridge bench latency on the 8B shape (config only, --load-format dummy): bf16 vs
+#                  --quantization int4, batch 1 and 64, in this one run -> lat_{bf16,int4}_b{1,64}.json
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
 #                  .whl/, carried, installed to /tmp/site when present)
@@ -30,10 +32,9 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,ab,dummy,tests-engine,fastpath,serve-load
-KNOWN=$KNOWN,int4
-KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py tests/test_pdl.py"
-KERNEL_TESTS="$KERNEL_TESTS tests/test_int4_kernels.py"
+KNOWN=tests-kernels,attention,gemv,fused,int4,ab,dummy,tests-engine,fastpath,int4-e2e,serve-load
+KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py
+              tests/test_pdl.py tests/test_int4_kernels.py"
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -103,6 +104,12 @@ wait_ckpt
 part tests-engine 120 500 "RIDGE_8B_PATH=$CKPT python3 -m pytest -q -rA -m gpu $rest 2>&1 | tee -a $TESTS | tail -15"
 part fastpath 200 500 "python3 benchmarks/fast_path.py --model $CKPT --no-progress ${FASTPATH_ARGS:-} \
   --json $OUT/fast_path_8b.json 2>&1 | grep -v -i warn | tail -24"
+CFG8B=/tmp/ridge-llama3-8b-config
+part int4-e2e 150 500 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  for b in ${E2E_BATCHES:-1 64}; do for q in bf16 int4; do \
+    python3 -m ridge bench latency --model $CFG8B --load-format dummy \$( [ \$q = int4 ] && echo --quantization int4 ) \
+      --batch-size \$b --input-len 128 --output-len 256 --no-progress --json $OUT/lat_\${q}_b\$b.json 2>&1 \
+      | grep -E 'decode tokens/s|MBU|step GPU' | sed \"s/^/\$q b=\$b  /\"; done; done"
 part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"
 
 {
