@@ -96,6 +96,14 @@ def _plane(w, J: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ptrs (no registers written, no effect on results): issued before
+    pdl_wait, the first weight tiles stream in while the previous kernel finishes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def x_planes(xt):
     """[BM, BK8, 8] -> the eight [BM, BK8] planes x[:, 8i + j], j = 0..7 (register-only splits)."""
     t = tl.reshape(xt, (xt.shape[0], xt.shape[1], 2, 2, 2))
@@ -182,6 +190,12 @@ def _int4_gemv_kernel(X, QW, S, Z, Y, P, C, M, N, stride_xm, stride_ym,
     x_ptrs = X + offs_m[:, None, None] * stride_xm + (r * 8)[None, :, None] + e[None, None, :]
     x_rows = (offs_m < M)[:, None, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PDL and ASM:   # the weights are never written by a step: fetch this program's first tiles
+        # into L2 while the previous kernel drains (one address per 128-byte line)
+        PF_ROWS: tl.constexpr = BK8 * (2 if TILES > 1 else 1)
+        pf_rows = tl.minimum(pid_k * TILES * BK8 + tl.arange(0, PF_ROWS), K // 8 - 1)
+        pf_cols = tl.minimum((pid // M_BLOCKS) * BN + tl.arange(0, BN // 32) * 32, N - 1)
+        prefetch_l2(QW + pf_rows[:, None] * N + pf_cols[None, :])
     pdl_wait(PDL)                                        # x comes from the previous kernel
     for t in tl.range(0, TILES, num_stages=NUM_STAGES):
         k0 = (pid_k * TILES + t) * BK
