@@ -193,9 +193,11 @@ def test_skinny_configs_fill_the_sms_within_the_partial_budget():
             blocks = -(-N // c.block_n) * -(-M // bm)
             assert c.block_k == 128 and tiles % c.split_k == 0 and tiles // c.split_k >= 2
             assert c.split_k * M * N * 4 <= N * K / 2 / 4 or c.split_k == 1     # partials <= 1/4
-            assert (blocks * c.split_k >= 4 * 132 or 2 * c.split_k > min(32, tiles // 2, K // (32 * M))
-                    or tiles % (2 * c.split_k))
+            assert blocks * c.split_k <= gv.programs_per_sm(bm) * 132 or c.split_k == 1    # one resident wave
+            assert (2 * blocks * c.split_k > gv.programs_per_sm(bm) * 132 or tiles % (2 * c.split_k)
+                    or 2 * c.split_k > min(32, tiles // 2, K // (32 * M)))           # ... the largest one
             assert c.num_warps == (2 if bm == 16 else 4) and c.block_n == 128
+    assert gv.int4_gemv_config(1, 6144, 4096, 128).split_k == 8           # qkv: 48 blocks -> 384 programs
     assert gv.int4_gemv_config(1, 4096, 4096, 128).split_k == 16          # o: 32 blocks -> 512 programs
     assert gv.int4_gemv_config(1, 1024, 8192, 128).split_k == 32          # 70B k/v: 8 blocks
     assert gv.int4_gemv_config(16, 4096, 4096, 128).split_k == 8          # partial cap K / 32M = 8

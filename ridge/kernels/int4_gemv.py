@@ -41,7 +41,11 @@ Design (per program: BLOCK_M rows of x, BLOCK_N output columns, one K range):
     partials in split order (deterministic: the same bits whoever arrives last) from L2, writes
     y and resets its counter for the next launch. The partials are M x N x SPLIT_K fp32, small
     next to the weights (the heuristic caps them at 1/4 of the weight bytes); no memset, no
-    second launch. Counters live in a per-device int32 table zeroed once.
+    second launch. Counters live in a per-device int32 table zeroed once. (fp32 atomic adds
+    would need a zeroed fp32 buffer, a conversion pass, and would sum in arrival order: greedy
+    decoding could then differ from run to run.)
+  * PDL (ridge/kernels/pdl.py): every program waits first (x is the previous kernel's output),
+    then lets the next kernel launch.
   * M > 16: BLOCK_M 32 up to M = 32, then m-blocks of 32 ordered fastest in the grid so the
     programs sharing a weight tile run together and the second read is an L2 hit.
 """
@@ -89,6 +93,14 @@ def _plane(w, J: tl.constexpr, DT: tl.constexpr):
     else:
         A: tl.constexpr = (_H0, _H1, _H2, _H3, _H4, _H5, _H6, _H7)[J]
     return _asm2(w, A, DT)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ptrs (no registers written, no effect on results): issued before
+    pdl_wait, the first weight tiles stream in while the previous kernel finishes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -178,6 +190,12 @@ def _int4_gemv_kernel(X, QW, S, Z, Y, P, C, M, N, stride_xm, stride_ym,
     x_ptrs = X + offs_m[:, None, None] * stride_xm + (r * 8)[None, :, None] + e[None, None, :]
     x_rows = (offs_m < M)[:, None, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PDL and ASM:   # the weights are never written by a step: fetch this program's first tiles
+        # into L2 while the previous kernel drains (one address per 128-byte line)
+        PF_ROWS: tl.constexpr = BK8 * (2 if TILES > 1 else 1)
+        pf_rows = tl.minimum(pid_k * TILES * BK8 + tl.arange(0, PF_ROWS), K // 8 - 1)
+        pf_cols = tl.minimum((pid // M_BLOCKS) * BN + tl.arange(0, BN // 32) * 32, N - 1)
+        prefetch_l2(QW + pf_rows[:, None] * N + pf_cols[None, :])
     pdl_wait(PDL)                                        # x comes from the previous kernel
     for t in tl.range(0, TILES, num_stages=NUM_STAGES):
         k0 = (pid_k * TILES + t) * BK
@@ -238,15 +256,22 @@ def block_m_for(M: int) -> int:
     return 16 if M <= 16 else 32
 
 
+def programs_per_sm(block_m: int) -> int:
+    """Resident programs per SM of the default configs: BLOCK_M 16 is smem-bound (4 stages of
+    ~12.5 KB), BLOCK_M 32 register-bound (4 warps x ~230 registers)."""
+    return 4 if block_m == 16 else 2
+
+
 def split_k_for(blocks: int, k_tiles: int, M: int, K: int, num_sms: int, max_split: int = 32) -> int:
-    """The smallest power-of-2 split giving >= 4 programs per SM, capped so that every split keeps
-    >= 2 tiles and the fp32 partials written (S x M x N x 4 bytes, read back from L2 by one
-    program per block) stay <= 1/4 of the weight bytes (N x K / 2): S <= K / (32 M). Only splits
-    that divide the tile count: the K loop then needs no masks (14336 = 112 tiles of 128 allows
-    up to 16)."""
+    """The largest power-of-2 split that keeps all programs resident at once (blocks x S <=
+    programs_per_sm x SMs: a second, partial wave would idle most SMs at the end), capped so that
+    every split keeps >= 2 tiles and the fp32 partials written (S x M x N x 4 bytes, read back
+    from L2 by one program per block) stay <= 1/4 of the weight bytes (N x K / 2): S <= K / (32 M).
+    Only splits that divide the tile count: the K loop then needs no masks (14336 = 112 tiles of
+    128 allows up to 16)."""
     cap = max(1, min(max_split, k_tiles // 2, K // (32 * M)))
     s = 1
-    while 2 * s <= cap and k_tiles % (2 * s) == 0 and blocks * s < 4 * num_sms:
+    while 2 * s <= cap and k_tiles % (2 * s) == 0 and blocks * 2 * s <= programs_per_sm(block_m_for(M)) * num_sms:
         s *= 2
     return s
 
@@ -257,7 +282,8 @@ def int4_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132
     8 MMA n-tiles; 168 registers), BLOCK_K 128 (16 packed rows: the MMA's K of 16 per plane), 4
     stages of cp.async (~12 KB each: 3 tiles in flight per program, ~4 programs per SM).
     M > 16 (BLOCK_M 32): 4 warps of 32 columns (2 warps spill at 32 rows: 255 registers + stack
-    under Triton 3.9). Narrow outputs (N <= 64): one warp, 64 columns. Split-K: split_k_for.
+    under Triton 3.9). Narrow outputs (N <= 64): 64 columns, one warp (two at 32 rows). Split-K:
+    split_k_for.
     These are first values from the compiled sm_90 code (registers, instructions per weight);
     benchmarks/int4_gemm.py times them. The interpreter gets small tiles so CI stays fast and the
     K tail and the split reduction are exercised."""
@@ -265,7 +291,7 @@ def int4_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132
     if interpret:
         bn, bk, warps, stages = 16, 64, 1, 1
     elif N <= 64:
-        bn, bk, warps, stages = 64, 128, 1, 4
+        bn, bk, warps, stages = 64, 128, 1 if bm == 16 else 2, 4
     else:
         bn, bk, warps, stages = 128, 128, 2 if bm == 16 else 4, 4
     blocks = triton.cdiv(N, bn) * triton.cdiv(M, bm)

@@ -91,7 +91,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     group_size: 32, 64, 128 (or a multiple of 128), or K (one group per column).
     bf16 / fp16 x on CUDA (or on the CPU under TRITON_INTERPRET=1) run the Triton kernels; other
     dtypes and plain CPU tensors run int4_matmul_ref. CUDA-graph capturable after one call on the
-    stream (the split-K ticket table is allocated on first use).
+    device (the split-K ticket table is allocated on first use, the GEMM autotuned); calls on one
+    device must not overlap in time on different streams (they share that table).
     """
     N, K = _check(x, qweight, scales, zeros, group_size)
     lead = x.shape[:-1]
