@@ -130,7 +130,7 @@ def test_scale_folding_leaves_the_unquantized_model_unchanged(variant, tmp_path,
     monkeypatch.setattr(plan_mod, "search_scale", random_scale)
     stats = collect_input_stats(llm, calibration_windows(llm.tokenizer, [text_file], 256, 64), show_progress=False)
     net = llm.engine.runner.model
-    plan = plan_mod.plan_model(net, "awq", GROUP, stats, show_progress=False)
+    plan = plan_mod.plan_model(net, "awq", GROUP, lambda i: stats, show_progress=False)
     window = calibration_windows(llm.tokenizer, [text_file], 96, 96)[0]
     before = _next_token_logprobs(llm, window)
     params = dict(net.named_parameters())
@@ -144,6 +144,21 @@ def test_scale_folding_leaves_the_unquantized_model_unchanged(variant, tmp_path,
             params[name].copy_(t)
     after = _next_token_logprobs(llm, window)
     torch.testing.assert_close(after, before, atol=2e-4, rtol=1e-4)
+
+
+def test_layer_stats_in_passes_equal_one_pass(tiny_llm, text_file):
+    """Statistics collected a layer per pass (a budget too small for two) equal those of one pass."""
+    from ridge.quantize.calib import LayerStats, calibration_windows, collect_input_stats
+
+    windows = calibration_windows(tiny_llm.tokenizer, [text_file], 256, 64)
+    whole = collect_input_stats(tiny_llm, windows, show_progress=False)
+    layered = LayerStats(tiny_llm, windows, show_progress=False, budget=1)
+    for i in range(2):
+        for name, st in layered(i).items():
+            assert st.tokens == whole[name].tokens == 256
+            torch.testing.assert_close(st.gram, whole[name].gram)
+            torch.testing.assert_close(st.abs_sum, whole[name].abs_sum)
+    assert layered.passes == 2 and LayerStats(tiny_llm, windows, show_progress=False).per_pass >= 2
 
 
 # -- the command -----------------------------------------------------------------------------------

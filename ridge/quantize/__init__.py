@@ -26,7 +26,7 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     and the folding want full precision, whatever the checkpoint's)."""
     from ridge import LLM
     from ridge.config import EngineConfig
-    from ridge.quantize.calib import calibration_files, calibration_windows, collect_input_stats
+    from ridge.quantize.calib import LayerStats, calibration_files, calibration_windows
     from ridge.quantize.checkpoint import (FORMAT, check_out_dir, quantization_config, quantized_tensors,
                                            write_checkpoint)
     from ridge.quantize.plan import plan_model
@@ -58,7 +58,7 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
         if llm.tokenizer is None:
             raise ValueError("model: AWQ calibrates on text and this checkpoint has no tokenizer")
         windows = calibration_windows(llm.tokenizer, files, calib_tokens, calib_seq_len)
-        stats = collect_input_stats(llm, windows, show_progress)
+        stats = LayerStats(llm, windows, show_progress)
     scale_dtype = model_cfg.checkpoint_dtype          # the scales are stored in the checkpoint's dtype
     plan = plan_model(net, method, group_size, stats, scale_dtype, show_progress)
     packed = quantized_tensors(net, plan, group_size, scale_dtype)

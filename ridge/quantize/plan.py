@@ -52,8 +52,9 @@ def _relative(err: float, w: torch.Tensor, h: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def plan_model(model, method: str, group_size: int, stats: dict | None = None,
-               scale_dtype: torch.dtype = torch.float32, show_progress: bool = True) -> ModelPlan:
+def plan_model(model, method: str, group_size: int, stats=None, scale_dtype: torch.dtype = torch.float32,
+               show_progress: bool = True) -> ModelPlan:
+    """`stats(i)`: the calibration InputStats of layer i's Linears by name (calib.LayerStats; AWQ only)."""
     check_model(model, group_size)
     cfg, prefix = model.cfg, "model.layers"
     linears, tensors = {}, {}
@@ -68,8 +69,9 @@ def plan_model(model, method: str, group_size: int, stats: dict | None = None,
             for k, m in mods.items():
                 linears[names[k]] = LinearPlan(w[k])
             continue
-        h = {k: stats[names[k]].hessian.to(w[k].device) for k in mods}
-        mean_abs = {k: stats[names[k]].mean_abs.to(w[k].device) for k in mods}
+        layer_stats = stats(i)
+        h = {k: layer_stats[names[k]].hessian.to(w[k].device) for k in mods}
+        mean_abs = {k: layer_stats[names[k]].mean_abs.to(w[k].device) for k in mods}
         found, scales = {}, {}
         tie = (cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
         for k in mods:
