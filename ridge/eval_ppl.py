@@ -117,7 +117,7 @@ def _next_token_logprobs(llm, window: list[int]):
     if positions.numel() < len(window) - 1:
         raise RuntimeError("compare: the engine computed fewer positions than the window has")
     with torch.inference_mode():
-        return out.prompt_logprobs[1:], torch.log_softmax(model.compute_logits(hidden).float(), dim=-1).cpu()
+        return out.prompt_logprobs[1:], torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
 def compare(llm, reference, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> CompareResult:
@@ -136,8 +136,8 @@ def compare(llm, reference, paths: list[str], seq_len: int = 512, use_tqdm: bool
         ref_lps, ref_logp = _next_token_logprobs(reference, window)
         if logp.shape != ref_logp.shape:
             raise ValueError(f"compare: vocabularies differ ({logp.shape[-1]} vs {ref_logp.shape[-1]} tokens)")
-        keep = torch.tensor([t != bos for t in window[1:]])
-        logp, ref_logp = logp[keep], ref_logp[keep]
+        keep = torch.tensor([t != bos for t in window[1:]], device=logp.device)
+        logp, ref_logp = logp[keep], ref_logp.to(logp.device)[keep]     # on the device: no [rows, vocab] copies
         kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
         agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
         scored = [(a, b) for t, a, b in zip(window[1:], lps, ref_lps) if t != bos]
