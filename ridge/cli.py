@@ -1,4 +1,4 @@
-"""`ridge` command line: generate, eval-ppl, and the parsers of serve, bench and roofline.
+"""`ridge` command line: generate, eval-ppl, and the parsers of serve, bench, roofline and quantize.
 
 Every command that builds an engine takes its flags from `ridge.config.EngineConfig` through
 `ridge.settings.add_arguments`, and turns them back into a validated config with
@@ -38,18 +38,28 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     import json
 
     from ridge import LLM
-    from ridge.eval_ppl import heldout_files, perplexity
+    from ridge.eval_ppl import compare, heldout_files, perplexity
 
-    llm = LLM(show_progress=False, **settings.from_args(EngineConfig, a).as_kwargs())
+    cfg = settings.from_args(EngineConfig, a)
+    llm = LLM(show_progress=False, **cfg.as_kwargs())
     files = a.files or heldout_files(llm.engine.cfg.model)
-    r = perplexity(llm, files, seq_len=a.seq_len)
+    if a.compare:        # the reference runs under the same engine settings, only its weights differ
+        reference = LLM(show_progress=False, **{**cfg.as_kwargs(), "model": a.compare})
+        r = compare(llm, reference, files, seq_len=a.seq_len)
+    else:
+        r = perplexity(llm, files, seq_len=a.seq_len)
     summary = dict(model=llm.engine.cfg.model, dtype=str(llm.engine.cfg.dtype).removeprefix("torch."),
                    device=str(llm.engine.cfg.device), seq_len=a.seq_len, **vars(r))
+    if a.compare:
+        summary["reference"] = reference.engine.cfg.model
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
     print(f"perplexity {r.perplexity:.3f}  (nll {r.nll_per_token:.4f} nats/token, {r.tokens} tokens, "
           f"{r.files} files, {r.windows} windows of {a.seq_len})")
+    if a.compare:
+        print(f"reference {a.compare}: perplexity {r.reference_perplexity:.3f}; KL(reference || model) "
+              f"{r.kl_divergence:.5f} nats/token, top-1 agreement {r.top1_agreement:.4f}")
     return 0
 
 
@@ -78,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--files", nargs="+", default=None, help="text files (default: the model's held-out files)")
     e.add_argument("--seq-len", type=int, default=512, help="tokens per scored window (default: 512)")
     e.add_argument("--json", default=None, help="write the result as JSON here")
+    e.add_argument("--compare", default=None, metavar="MODEL",
+                   help="also score the same windows with MODEL (e.g. the unquantized checkpoint) and report the "
+                        "KL divergence of the next-token distributions against it (default: off)")
     settings.add_arguments(e, EngineConfig, title="engine")
     e.set_defaults(func=cmd_eval_ppl)
 
@@ -86,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ridge.server.cli import add_serve_parser
     add_serve_parser(sub)
+
+    from ridge.quantize.command import add_quantize_parser
+    add_quantize_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -5,6 +5,13 @@ The text is scored the way the demo model was trained and evaluated: each file b
 BOS + tokens + EOS, the files are concatenated into one stream, and the stream is cut into
 non-overlapping windows of seq_len + 1 tokens; each window's last seq_len tokens are scored
 given the tokens before them in the window. Targets that are BOS are not scored.
+
+`compare` scores the same windows with a second model (e.g. the bf16 checkpoint a quantized one
+came from) and reports the KL divergence KL(reference || model) of the next-token distributions,
+mean over the scored positions: perplexity only sees the probability of the token that came next,
+while KL sees every token's, so it shows a precision's cost where perplexity moves too little to
+tell. The full distributions are never stored (vocab x tokens would not fit): each window is run
+through both engines in turn and reduced to its KL sum at once.
 """
 from __future__ import annotations
 
@@ -45,9 +52,7 @@ def token_stream(tokenizer, paths: list[str]) -> list[int]:
     return stream
 
 
-def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> PerplexityResult:
-    from ridge import SamplingParams
-
+def scoring_windows(llm, paths: list[str], seq_len: int) -> list[list[int]]:
     if not paths:
         raise ValueError("files: no files to evaluate")
     if llm.tokenizer is None:
@@ -56,8 +61,19 @@ def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True)
     windows = [stream[s:s + seq_len + 1] for s in range(0, (len(stream) - 1) // seq_len * seq_len, seq_len)]
     if not windows:
         raise ValueError(f"files: fewer than {seq_len + 1} tokens in all")
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True, ignore_eos=True)
-    outs = llm.generate(windows, params, use_tqdm=use_tqdm)
+    return windows
+
+
+def _scoring_params():
+    from ridge import SamplingParams
+
+    # prompt_logprobs also keeps the window off the prefix cache: every position is computed
+    return SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True, ignore_eos=True)
+
+
+def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> PerplexityResult:
+    windows = scoring_windows(llm, paths, seq_len)
+    outs = llm.generate(windows, _scoring_params(), use_tqdm=use_tqdm)
     bos = llm.tokenizer.bos_token_id
     nll, count = 0.0, 0
     for window, out in zip(windows, outs):
@@ -67,3 +83,66 @@ def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True)
                 count += 1
     mean = nll / count
     return PerplexityResult(math.exp(mean), mean, count, len(paths), len(windows))
+
+
+@dataclass
+class CompareResult:
+    perplexity: float               # the model's, on these windows
+    nll_per_token: float
+    reference_perplexity: float     # the reference model's, on the same windows
+    kl_divergence: float            # mean over scored positions of KL(reference || model), nats
+    top1_agreement: float           # fraction of positions where both models' most likely token agree
+    tokens: int
+    files: int
+    windows: int
+
+
+def _next_token_logprobs(llm, window: list[int]):
+    """(engine's log p of each next token, [len - 1, vocab] float32 log-distributions) for one
+    window, the distributions computed from the hidden states of the engine's own forward pass
+    (caught on their way out of the model, ordered by position: a chunked prefill's pieces too)."""
+    import torch
+
+    model, caught = llm.engine.runner.model, []
+
+    def catch(module, args, hidden):             # args: input ids, positions, caches, metadata
+        caught.append((args[1].clone(), hidden.clone()))
+    handle = model.register_forward_hook(catch)
+    try:
+        out = llm.generate([window], _scoring_params(), use_tqdm=False)[0]
+    finally:
+        handle.remove()
+    positions = torch.cat([p for p, _ in caught]).long()
+    hidden = torch.cat([h for _, h in caught])[positions.argsort()][:len(window) - 1]
+    if positions.numel() < len(window) - 1:
+        raise RuntimeError("compare: the engine computed fewer positions than the window has")
+    with torch.inference_mode():
+        return out.prompt_logprobs[1:], torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+
+
+def compare(llm, reference, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> CompareResult:
+    """Perplexity of `llm` and `reference` on the same windows, and the KL divergence between
+    their next-token distributions (module docstring)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    if reference.tokenizer is None or llm.tokenizer.get_vocab() != reference.tokenizer.get_vocab():
+        raise ValueError("compare: the two models' tokenizers differ; KL needs the same vocabulary")
+    windows = scoring_windows(llm, paths, seq_len)       # checks llm has a tokenizer
+    bos = llm.tokenizer.bos_token_id
+    nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
+    for window in tqdm(windows, desc="comparing", unit="window", disable=not use_tqdm):
+        lps, logp = _next_token_logprobs(llm, window)
+        ref_lps, ref_logp = _next_token_logprobs(reference, window)
+        if logp.shape != ref_logp.shape:
+            raise ValueError(f"compare: vocabularies differ ({logp.shape[-1]} vs {ref_logp.shape[-1]} tokens)")
+        keep = torch.tensor([t != bos for t in window[1:]], device=logp.device)
+        logp, ref_logp = logp[keep], ref_logp.to(logp.device)[keep]     # on the device: no [rows, vocab] copies
+        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        scored = [(a, b) for t, a, b in zip(window[1:], lps, ref_lps) if t != bos]
+        nll -= sum(a for a, _ in scored)
+        ref_nll -= sum(b for _, b in scored)
+        count += len(scored)
+    return CompareResult(math.exp(nll / count), nll / count, math.exp(ref_nll / count), kl / count, agree / count,
+                         count, len(paths), len(windows))

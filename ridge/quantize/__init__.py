@@ -1,0 +1,71 @@
+"""`ridge quantize`: INT4 weight-only checkpoints (W4A16, group-wise scales and zero points) by
+round-to-nearest or AWQ, written in compressed-tensors `pack-quantized` format (checkpoint.py).
+
+It sits on top of the engine (like eval_ppl and the CLI): AWQ calibrates by running text through
+ridge's own engine and reading what each Linear sees (calib.py); the search and folding are
+awq.py, the per-layer walk plan.py; the round-to-nearest grid and the packing are those of
+ridge/layers/quant/formats.py, the code that reads the checkpoint back (and quantizes at load).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+METHODS = ("awq", "rtn")
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_CALIB_TOKENS = 32768
+DEFAULT_CALIB_SEQ_LEN = 512
+
+
+def quantize(model: str | None, out: str, method: str = "awq", group_size: int = DEFAULT_GROUP_SIZE,
+             calib_files: list[str] | None = None, calib_tokens: int = DEFAULT_CALIB_TOKENS,
+             calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, show_progress: bool = True, **engine_settings) -> dict:
+    """Quantize the checkpoint `model` into `out`; returns a summary (also written to
+    out/quantize_report.json). `engine_settings` are EngineConfig fields for the engine that loads
+    the model and, for AWQ, runs the calibration text (float32 is the default dtype: the search
+    and the folding want full precision, whatever the checkpoint's)."""
+    from ridge import LLM
+    from ridge.config import EngineConfig
+    from ridge.quantize.calib import LayerStats, calibration_files, calibration_windows
+    from ridge.quantize.checkpoint import (FORMAT, check_out_dir, quantization_config, quantized_tensors,
+                                           write_checkpoint)
+    from ridge.quantize.plan import plan_model
+
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {', '.join(METHODS)}; got {method!r}")
+    for name, value, least in (("group_size", group_size, 1), ("calib_tokens", calib_tokens, 2),
+                               ("calib_seq_len", calib_seq_len, 2)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
+    engine_settings.setdefault("dtype", "float32")
+    cfg, model_cfg = EngineConfig.from_kwargs(model=model, **engine_settings).resolve()
+    src = cfg.model
+    if model_cfg.quantization_config is not None or cfg.quantization is not None:
+        raise ValueError(f"model: {src!r} would load quantized (quantization_config or --quantization); "
+                         f"ridge quantize starts from a float checkpoint")
+    check_out_dir(src, out)
+    for k, name in ((model_cfg.hidden_size, "qkv_proj and gate_up_proj"), (model_cfg.q_size, "o_proj"),
+                    (model_cfg.intermediate_size, "down_proj")):
+        if k % group_size:
+            raise ValueError(f"group_size: {group_size} does not divide {k}, the input features of {name}")
+    files = calibration_files(src, calib_files) if method == "awq" else []
+    llm = LLM(src, show_progress=show_progress,
+              **{**engine_settings, "enable_prefix_caching": False,
+                 "max_model_len": max(engine_settings.get("max_model_len") or 0, calib_seq_len + 1)})
+    net = llm.engine.runner.model
+    stats, windows = None, []
+    if method == "awq":
+        if llm.tokenizer is None:
+            raise ValueError("model: AWQ calibrates on text and this checkpoint has no tokenizer")
+        windows = calibration_windows(llm.tokenizer, files, calib_tokens, calib_seq_len)
+        stats = LayerStats(llm, windows, show_progress)
+    scale_dtype = model_cfg.checkpoint_dtype          # the scales are stored in the checkpoint's dtype
+    plan = plan_model(net, method, group_size, stats, scale_dtype, show_progress)
+    packed = quantized_tensors(net, plan, group_size, scale_dtype)
+    write_checkpoint(net, src, out, plan, packed, quantization_config(group_size))
+    summary = dict(model=src, out=out, method=method, group_size=group_size, format=FORMAT,
+                   calib_files=len(files), calib_tokens=sum(map(len, windows)),
+                   linears={n: lp.report for n, lp in plan.linears.items() if lp.report})
+    with open(os.path.join(out, "quantize_report.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
