@@ -13,7 +13,6 @@ reference's bf16 activation, with one more u_out |h| |W| term for the rare eleme
 fp32-ulp difference in exp flips a rounding. In the interpreter the fused kernel equals
 gemv(silu_and_mul(x)) bit for bit (same arithmetic, same tiles).
 """
-import importlib.util
 import os
 
 import torch
@@ -30,11 +29,10 @@ from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from ridge.layers import linear  # noqa: E402
 from ridge.layers.activation import SiluAndMul  # noqa: E402
 from ridge.layers.linear import Linear  # noqa: E402
-from tests_support import capture_cuda_graph  # noqa: E402
+from tests_support import capture_cuda_graph, load_benchmark  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 U_OUT = {BF16: 2.0**-8, FP16: 2.0**-11, FP32: 2.0**-24}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU-tensor kernel tests run under TRITON_INTERPRET=1")
 # the interpreter's tiles (gemv_config under TRITON_INTERPRET): BLOCK_N 16, BLOCK_K 32, on each path
@@ -204,15 +202,8 @@ def test_llama_mlp_is_down_of_silu_of_gate_up():
 
 
 # ------------------------------------------------------------------------------ the benchmark
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("bench_gemv", os.path.join(ROOT, "benchmarks", "gemv.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_benchmark_plan_and_dry_run(capsys, monkeypatch):
-    bg = load_benchmark()
+    bg = load_benchmark("gemv")
     monkeypatch.delenv("OUT", raising=False)
     args = bg.parse_args(["--sweep"])
     default, sweep = bg.plan(args)

@@ -15,7 +15,6 @@ each weight before the MMA (group_size < BLOCK_K, and the M > 64 GEMM) round (q 
 x's dtype: one more u_w (|x| @ |W|) term (u_w = 2^-8 bf16, 2^-11 fp16). Checked with a factor-2
 margin; int4_matmul_ref (fp32) is compared through the same bound.
 """
-import importlib.util
 import os
 import re
 
@@ -30,10 +29,10 @@ import pytest  # noqa: E402
 from ridge.kernels import int4_gemv as gv  # noqa: E402
 from ridge.kernels.int4_gemm import gemm_split_k  # noqa: E402
 from ridge.kernels.int4_matmul import dequantize_int4, int4_matmul, int4_matmul_ref, pack_int4  # noqa: E402
+from tests_support import load_benchmark  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 U = {BF16: 2.0**-8, FP16: 2.0**-11}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU-tensor kernel tests run under TRITON_INTERPRET=1")
 
@@ -206,15 +205,8 @@ def test_skinny_configs_fill_the_sms_within_the_partial_budget():
 
 
 # ------------------------------------------------------------------------------ the benchmark
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("bench_int4", os.path.join(ROOT, "benchmarks", "int4_gemm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_benchmark_plan_and_dry_run(capsys, monkeypatch):
-    b = load_benchmark()
+    b = load_benchmark("int4_gemm")
     monkeypatch.delenv("OUT", raising=False)
     cases = b.cases(b.parse_args([]))
     assert len(cases) == (4 + 5) * 9 and {c["M"] for c in cases} == {1, 2, 4, 8, 16, 32, 64, 128, 512}

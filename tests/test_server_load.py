@@ -6,10 +6,7 @@ benchmark figure (benchmarks/serve_load.py, BENCHMARKS.md), not asserted here.""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
-import os
-import sys
 
 import openai
 import pytest
@@ -19,18 +16,9 @@ from ridge import LLM
 from ridge.config import model_dir
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from tests_support import serving
+from tests_support import load_benchmark, serving
 
 STREAMS = 64
-
-
-def _serve_load():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "serve_load.py")
-    spec = importlib.util.spec_from_file_location("bench_serve_load", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +30,7 @@ def demo_server():
 
 
 def test_streams_survive_cancellations_and_the_large_prompt_attack(demo_server):
-    load = _serve_load()
+    load = load_benchmark("serve_load")
     r = asyncio.run(load.run_load(demo_server, "demo", streams=STREAMS, max_tokens=12, attack=True,
                                   cancel_after=3, timeout_s=300))
     assert r["failures"] == [], r["ends"]
@@ -55,7 +43,7 @@ def test_streams_survive_cancellations_and_the_large_prompt_attack(demo_server):
 
 def test_the_attack_gets_clear_errors_through_the_openai_client(demo_server):
     """The same attack as a user of the official client sees it: a 400 that names the input."""
-    load = _serve_load()
+    load = load_benchmark("serve_load")
     client = openai.OpenAI(base_url=demo_server + "/v1", api_key="none", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError, match="characters cannot fit in max_model_len"):
         client.completions.create(model="demo", prompt=load.ATTACK_PROMPT, max_tokens=1)

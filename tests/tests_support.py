@@ -1,6 +1,9 @@
 """Helpers shared by test modules."""
 import contextlib
+import importlib.util
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -77,3 +80,13 @@ def serving(app, what: str = "server"):
         thread.join(60)
         torch.set_num_threads(threads)
     assert not thread.is_alive(), f"{what} did not stop"
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py imported as a module (the benchmarks are scripts, not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
