@@ -266,7 +266,8 @@ def test_bad_arguments_are_refused_with_a_clear_error(checkpoints, tmp_path, tex
              (["--calib-files", str(tmp_path / "missing.py")], "calib_files: no such file"),
              (["--calib-tokens", "1"], "calib_tokens: must be an integer >= 2"),
              (["--model", str(tmp_path / "nothing")], "model:"),
-             (["--out", src], "out:")]
+             (["--out", src], "out:"),
+             (["--load-format", "dummy"], "load_format:")]
     capsys.readouterr()
     for extra, message in cases:
         assert main(base + extra) == 2, extra

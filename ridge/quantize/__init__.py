@@ -40,6 +40,8 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     engine_settings.setdefault("dtype", "float32")
     cfg, model_cfg = EngineConfig.from_kwargs(model=model, **engine_settings).resolve()
     src = cfg.model
+    if cfg.load_format == "dummy":
+        raise ValueError("load_format: ridge quantize reads the checkpoint's weights; 'dummy' would quantize noise")
     if model_cfg.quantization_config is not None or cfg.quantization is not None:
         raise ValueError(f"model: {src!r} would load quantized (quantization_config or --quantization); "
                          f"ridge quantize starts from a float checkpoint")

@@ -13,18 +13,18 @@ from ridge.quantize import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, DEFAULT_
 
 def add_quantize_parser(sub) -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="write an INT4 (W4A16) checkpoint: round-to-nearest or AWQ")
-    q.add_argument("--out", required=True, help="directory for the quantized checkpoint (new or empty)")
+    q.add_argument("--out", required=True, metavar="DIR", help="directory for the quantized checkpoint (new or empty)")
     q.add_argument("--method", choices=METHODS, default="awq",
                    help="awq: activation-aware scales and clipping searched on calibration text; "
                         "rtn: round to nearest (default: awq)")
-    q.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+    q.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, metavar="N",
                    help=f"input channels sharing one scale and zero point (default: {DEFAULT_GROUP_SIZE})")
-    q.add_argument("--calib-files", nargs="+", default=None,
+    q.add_argument("--calib-files", nargs="+", default=None, metavar="FILE",
                    help="text files to calibrate AWQ on (default: the demo corpus's training files; "
                         "held-out files are refused)")
-    q.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
+    q.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, metavar="N",
                    help=f"calibration tokens (default: {DEFAULT_CALIB_TOKENS})")
-    q.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN,
+    q.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, metavar="N",
                    help=f"tokens per calibration window (default: {DEFAULT_CALIB_SEQ_LEN})")
     settings.add_arguments(q, EngineConfig, title="engine (loads the model, runs the calibration)",
                            defaults={"dtype": ("float32", "float32: the search and folding in full precision")})
