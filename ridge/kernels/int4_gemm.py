@@ -1,15 +1,16 @@
-"""W4A16 tensor-core GEMM for prefill-sized batches (M > 64): y = x @ dequantize(qweight), Triton.
+"""W4A16 tensor-core GEMM for batches above the skinny kernel's (M > 32): y = x @ dequantize(qweight), Triton.
 
 ridge's INT4 layout and the reference are in ridge/kernels/int4_matmul.py (the entry point).
-Above ~64 rows the work is MMA-bound, not byte-bound, so this kernel is an ordinary Hopper GEMM
-(wgmma on shared-memory operands, x tiles pipelined by cp.async) whose B tile is produced in
-registers: the [BLOCK_K / 8, BLOCK_N] int32 tile (0.5 byte per weight, coalesced along N) is
-loaded, each word split into its eight K values in natural order, dequantized as
-((q | 0x4B000000) as fp32 - (2^23 + z)) * s (a magic-number conversion: one logic op and one
-FADD instead of a slow int->float convert), rounded once to the activation dtype and stored to
-shared memory for the MMA. That costs a few instructions per weight, spent once per BLOCK_M rows
-(64-128), so it hides behind the MMAs; a weight in HBM is 4x smaller than bf16 but the MMAs are
-the same, so at M = 512 the target is cuBLAS bf16 parity, not a multiple.
+Past ~32 rows the skinny kernel (ridge/kernels/int4_gemv.py) would dequantize each weight once
+per 32-row block; this kernel is an ordinary Hopper GEMM (wgmma on shared-memory operands, x
+tiles pipelined by cp.async, 64-256 rows per tile) whose B tile is produced in registers: the
+[BLOCK_K / 8, BLOCK_N] int32 tile (0.5 byte per weight, coalesced along N) is loaded, its eight
+nibble planes dequantized by the skinny kernel's packed PTX (two weights per instruction:
+128 + q as two 16-bit floats, minus 128 + z exactly, times the scale in one packed multiply,
+rounded once as the fp32 product would be), interleaved back into natural K order and stored to
+shared memory for the MMA. About 2.5 instructions per weight, spent once per BLOCK_M rows; a
+weight in HBM is 4x smaller than bf16 but the MMAs are the same, so from M ~ 128 up the target
+is cuBLAS bf16 parity, not a multiple (BENCHMARKS.md has where it stands).
 
 Scales: one row per tile when group_size >= BLOCK_K (the K loop is aligned to groups: BLOCK_K
 divides group_size), else one row per packed word row. The dequantized weight is rounded to the
@@ -40,10 +41,11 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 2}, num_warps=4, num_stages=1)]
     # Hopper: 128-row tiles give each of 2 warpgroups a 64-row wgmma; 64-wide K steps keep the
     # dequantized B tile (BK x BN x 2 bytes) and 3-4 stages of x in shared memory; BN 256 halves
-    # the x re-reads for wide outputs. 64 x 128 / 4 warps for the smaller M buckets.
+    # the x re-reads for wide outputs; 64-row tiles / 4 warps for the smaller M buckets.
     return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-                                     (64, 128, 64, 4, 4), (64, 256, 64, 4, 3))]
+                                     (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 128, 128, 4, 3),
+                                     (256, 128, 64, 8, 3))]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -52,6 +54,11 @@ def _prune(configs, named_args, **kwargs):
     keep = [c for c in configs if c.kwargs["BK"] <= max(64, K) and (G % c.kwargs["BK"] == 0 or G == K
                                                                     or c.kwargs["BK"] % G == 0)]
     keep = [c for c in keep if c.kwargs["BM"] <= max(64, triton.next_power_of_2(M))] or keep
+    # 64 x 128 x 128 / 4 warps: the fastest at M <= 64 on every 8B shape (BENCHMARKS.md), and
+    # only there: above, the autotuner (timing L2-resident weights) could take it where streaming
+    # weights make it slower
+    small = [c for c in keep if (c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"]) == (64, 128, 128)]
+    keep = (small or keep) if M <= 64 else [c for c in keep if c not in small] or keep
     return keep or configs[:1]
 
 
@@ -111,6 +118,7 @@ def _int4_gemm_kernel(X, QW, S, Z, Y, P, C, M, N, stride_xm, stride_ym, M_BUCKET
             z = tl.load(Z + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ASM:
             z = (z + MAGIC).to(DT)                       # exact: z is an integer in [0, 16]
+            s = s.to(DT)                                 # exact: the scales are stored in DT
         # the eight planes (q - z) * s of the tile (ridge/kernels/int4_gemv.py), interleaved back
         # into natural K order: [BK8, BN, 8] -> [BK8, 8, BN] -> [BK, BN], row 8i + j = K index k0 + 8i + j
         q0 = dequant_plane(w, 0, z, s, True, DT, ASM, EMULATE_RNE)

@@ -1,4 +1,4 @@
-"""W4A16 skinny GEMM for decode (M <= 64 rows): y = x @ dequantize(qweight, scales, zeros), Triton.
+"""W4A16 skinny GEMM for decode (M <= 32 rows): y = x @ dequantize(qweight, scales, zeros), Triton.
 
 ridge's INT4 layout and the reference are in ridge/kernels/int4_matmul.py (the entry point that
 dispatches here). At decode sizes the kernel is a weight stream: 0.5 byte per weight plus
@@ -46,8 +46,11 @@ Design (per program: BLOCK_M rows of x, BLOCK_N output columns, one K range):
     decoding could then differ from run to run.)
   * PDL (ridge/kernels/pdl.py): every program waits first (x is the previous kernel's output),
     then lets the next kernel launch.
-  * M > 16: BLOCK_M 32 up to M = 32, then m-blocks of 32 ordered fastest in the grid so the
-    programs sharing a weight tile run together and the second read is an L2 hit.
+  * M > 16: BLOCK_M 32. Past 32 rows int4_matmul takes the GEMM (ridge/kernels/int4_gemm.py):
+    here every further 32-row block would dequantize every weight again (at M = 64 that made the
+    8B gate_up 1.6x slower than the GEMM's 64-row wgmma tiles, BENCHMARKS.md). The kernel still
+    runs any M (m-blocks ordered fastest in the grid, so programs sharing a weight tile run
+    together and the second read is an L2 hit).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ import triton.language as tl
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import round_to
 
-GEMV_MAX_M = 64
+GEMV_MAX_M = 32
 
 
 def _plane_asm(j: int, magic: int) -> str:
@@ -122,11 +125,11 @@ def dequant_plane(w, J: tl.constexpr, z, s, SCALE: tl.constexpr, DT: tl.constexp
                   EMULATE_RNE: tl.constexpr):
     """Weight plane J of the word tile w: q - z exactly, or with SCALE (q - z) * s rounded once, in
     DT (ASM) / fp32 holding DT values (interpreter). z: MAGIC + zero points in DT (ASM) or fp32 zero
-    points (interpreter); s: fp32 scales."""
+    points (interpreter); s: scales, fp32 or (ASM) DT."""
     if ASM:
         q = _plane(w, J, DT) - z                             # q - z, exact in 16 bits
-        if SCALE:
-            q = (q.to(tl.float32) * s).to(DT)
+        if SCALE:   # s in DT: a packed 16-bit multiply, rounded once like the fp32 product would be
+            q = (q * s).to(DT)                           # (|q - z| <= 16: the product is exact in fp32)
     else:   # the interpreter (no PTX; its 16-bit arithmetic and dot are not float ops): the same
         # values in fp32, the one rounding of SCALE emulated
         q = ((w >> (4 * J)) & 0xF).to(tl.float32) - z

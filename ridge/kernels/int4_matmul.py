@@ -13,9 +13,9 @@ registers right before the multiply; the scale and zero of a group are one row o
 
 `int4_matmul` is the entry point: Triton kernels for CUDA tensors (and for CPU tensors under
 TRITON_INTERPRET=1, so the interpreter tests run them), the torch reference otherwise.
-  * M <= 64 rows: ridge/kernels/int4_gemv.py, the decode kernel: a weight stream dequantized in the
+  * M <= 32 rows: ridge/kernels/int4_gemv.py, the decode kernel: a weight stream dequantized in the
     MMA's operand registers, split-K reduced in the same launch.
-  * M > 64: ridge/kernels/int4_gemm.py, an autotuned wgmma GEMM with the weight tile dequantized
+  * M > 32: ridge/kernels/int4_gemm.py, an autotuned wgmma GEMM with the weight tile dequantized
     between its load and the MMA.
 Both read this layout as it is: no re-layout at load time. The words of a tile row are N-contiguous
 (16-byte coalesced loads as stored), and the skinny kernel gets the MMA operand layout by
