@@ -386,3 +386,12 @@ def test_int4_cost_counts_half_a_byte_and_the_group_tables(built):
     [gemm] = model.model.layers[0].mlp.gate_up_proj.cost(step)
     assert gemm.param_bytes == 2 * 512 * 256 * (0.5 + 2 * 2 / 128) and gemm.compute == "bf16"
     assert model.model.layers[0].mlp.gate_up_proj.weight_precision(step).name == "int4-g128"
+
+
+def test_parameter_count_is_the_weights_not_the_packed_words(built):
+    """ridge roofline reports a model's size as its model card gives it: an INT4 layer's int32 words
+    hold eight weights each, and its scales and zero points are not weights."""
+    from ridge.roofline.api import model_weights
+    plain, int4 = build(built["src"]["llama"]), build(built["src"]["llama"], quantization="int4")
+    assert model_weights(int4) == model_weights(plain) == sum(p.numel() for p in plain.parameters())
+    assert sum(p.numel() for p in int4.parameters()) < model_weights(int4)

@@ -54,6 +54,11 @@ class Linear(nn.Module):
         self.bias = param(offset) if bias else None
         self.input_act = input_act
 
+    def num_weights(self) -> int:
+        """Weights (and biases) this layer stands for, however they are stored: an INT4 layer's
+        eight values a word, not its int32 words, scales and zero points."""
+        return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
+
     def shard_slot(self, param: nn.Parameter, shard_id: str | None) -> tuple[int, int]:
         """(first row, rows) of the outputs a checkpoint tensor for `shard_id` fills."""
         if (shard_id is None) != (param.shard_ids is None) or (shard_id is not None and shard_id not in self.shards):

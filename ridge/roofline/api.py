@@ -7,6 +7,7 @@ import os
 import torch
 
 from ridge.config import EngineConfig, ModelConfig, model_dir, resolve_device, resolve_dtype
+from ridge.layers.linear import Linear
 from ridge.roofline.ceilings import load_ceilings
 from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
@@ -17,6 +18,14 @@ from ridge.roofline.report import Report, write_report
 
 DEFAULT_LENGTH = 1024     # default decode context and prefill length, capped by the model's context
 
+
+
+def model_weights(model: torch.nn.Module) -> int:
+    """The parameter count a model card gives: each Linear's weights however they are stored (an
+    INT4 layer's packed words hold eight), every other parameter as stored."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inside = {id(p) for m in linears for p in m.parameters()}
+    return sum(m.num_weights() for m in linears) + sum(p.numel() for p in model.parameters() if id(p) not in inside)
 
 def build_llm(model: str | None, batches, context: int, prefill_len: int, prefill_batch: int, **engine_kwargs):
     """An LLM sized for the roofline steps: seats, token budget, context and a KV pool just large
@@ -123,7 +132,7 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
     info = dict(architecture=cfg.architecture, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                parameters=sum(p.numel() for p in engine.runner.model.parameters()),
+                parameters=model_weights(engine.runner.model),
                 parameter_bytes=parameter_bytes(model))
     notes = []
     if ecfg.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 and ecfg.dtype == torch.float32:
