@@ -18,6 +18,10 @@
 #   fastpath       benchmarks/fast_path.py (a)-(c) on the 8B shape with the HF peer -> fast_path_8b.json
 #   int4-e2e       ridge bench latency on the 8B shape (config only, --load-format dummy): bf16 vs
 #                  --quantization int4, batch 1 and 64, in this one run -> lat_{bf16,int4}_b{1,64}.json
+#   int4-roofline  ridge roofline on the 8B shape with --quantization int4 (dummy weights), decode batch 1
+#                  and 64 -> roofline_int4.{md,json}
+#   int4-quality   the INT4 quality contract on the demo model: ridge quantize --method rtn and awq, then
+#                  ridge eval-ppl of bf16, RTN and AWQ (--compare bf16: KL) -> int4_quality.json
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
 #                  .whl/, carried, installed to /tmp/site when present)
@@ -32,9 +36,10 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,ab,dummy,tests-engine,fastpath,int4-e2e,serve-load
-KERNEL_TESTS="tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_rope_kv_write.py
-              tests/test_pdl.py tests/test_int4_kernels.py"
+KNOWN=tests-kernels,attention,gemv,fused,int4,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,serve-load
+# KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
+KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels.py tests/test_gemv.py
+              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py"}
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -110,6 +115,18 @@ part int4-e2e 150 500 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset 
     python3 -m ridge bench latency --model $CFG8B --load-format dummy \$( [ \$q = int4 ] && echo --quantization int4 ) \
       --batch-size \$b --input-len 128 --output-len 256 --no-progress --json $OUT/lat_\${q}_b\$b.json 2>&1 \
       | grep -E 'decode tokens/s|MBU|step GPU' | sed \"s/^/\$q b=\$b  /\"; done; done"
+part int4-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization int4 --batch 1 64 --context 1024 \
+    --prefill-len 512 --out /tmp/roofline-int4 2>&1 | grep -v -i warn | tail -40 && \
+  cp /tmp/roofline-int4/report.md $OUT/roofline_int4.md && cp /tmp/roofline-int4/report.json $OUT/roofline_int4.json"
+DEMO=ridge/assets/demo-code-12m
+part int4-quality 300 500 "for m in rtn awq; do python3 -m ridge quantize --model $DEMO --out /tmp/demo-\$m --method \$m 2>&1 \
+    | tr '\\r' '\\n' | tail -1; done && \
+  python3 -m ridge eval-ppl --model $DEMO --dtype bfloat16 --json /tmp/ppl_bf16.json 2>&1 | tail -1 && \
+  for m in rtn awq; do python3 -m ridge eval-ppl --model /tmp/demo-\$m --dtype bfloat16 --compare $DEMO \
+    --json /tmp/ppl_\$m.json 2>&1 | tail -2; done && \
+  python3 -c 'import json, sys; json.dump({m: json.load(open(f\"/tmp/ppl_{m}.json\")) for m in (\"bf16\", \"rtn\", \"awq\")}, \
+    open(sys.argv[1], \"w\"), indent=2)' $OUT/int4_quality.json"
 part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"
 
 {

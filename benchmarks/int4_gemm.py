@@ -6,7 +6,8 @@ torch's tinygemm int4, on the Llama-3-8B and -70B projection shapes.
 
 (JSON defaults to $OUT/int4_gemm.json when OUT is set; --dry-run prints the plan without a GPU.)
 
-Cases: N x K = qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336 (8B);
+Cases: N x K = qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336, lm_head
+128256 x 4096 (8B: the LM head, which ridge keeps in bf16, to weigh quantizing it too);
 qkv 10240 x 8192, o 8192 x 8192, gate_up 57344 x 8192, down 8192 x 28672, kv 1024 x 8192 (70B:
 one of k / v, the shape tensor parallelism leaves), at M = 1 ... 512 rows, bf16 activations,
 group size 128. Peers, on the same quantized weight:
@@ -47,7 +48,8 @@ from ridge.bench.common import fmt  # noqa: E402
 DT = torch.bfloat16
 GROUP = 128
 SHAPES = {
-    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                  ("lm_head", 128256, 4096)],
     "llama3-70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672),
                    ("kv", 1024, 8192)],
 }
