@@ -59,3 +59,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    """The tiny checkpoint served on loopback (tests/server_support.py), one server per test module."""
+    from server_support import serve_tiny
+    yield from serve_tiny(checkpoints)

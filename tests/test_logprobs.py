@@ -19,7 +19,7 @@ from ridge.engine.token_text import TokenTexts
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from ridge.server.logprobs import TextOffsets, chat_logprobs
-from test_server import KEY, Served
+from server_support import KEY, Served
 from tests_support import serving
 
 MODEL = "demo"

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-from test_fused_kernels import apply_rotary, assert_rotary_bf16, fresh_generator, rope_truth  # noqa: E402
+from test_fused_kernels import apply_rotary, assert_rotary_bf16, rope_truth  # noqa: E402
+from test_fused_kernels_gpu import fresh_generator  # noqa: E402
 
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
 from ridge.kernels.attention_ref import write_kv_ref  # noqa: E402
