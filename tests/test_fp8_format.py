@@ -1,0 +1,86 @@
+"""The block-scaled FP8 weight format (ridge/layers/quant/fp8.py, issue 16): quantization bit for bit
+as transformers' FineGrainedFP8 writes it, dequantization as transformers reads it, ragged shapes
+within e4m3's rounding bound, ue8m0 scales, and errors that name the field or the tensor."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ridge.layers.quant.fp8 import (FP8, FP8_MAX, Fp8BlockConfig, check_fp8_tensors, dequantize_fp8_block,
+                                    quantize_fp8_block)
+
+fp8_hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+
+def weight(n, k, seed=0):
+    """Rows of very different magnitudes (so blocks get different scales), the first block all zero."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n)[:, None]
+    w[:128, :128] = 0
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_quantize_matches_transformers_bit_for_bit(ue8m0):
+    w = weight(256, 384)
+    quantizer = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128),
+                                                                    scale_fmt="ue8m0" if ue8m0 else "float"))
+    ref = fp8_hf.Fp8Quantize(quantizer).convert({"layer.weight": w})
+    q, s = quantize_fp8_block(w, Fp8BlockConfig((128, 128), ue8m0))
+    assert q.dtype == FP8 and torch.equal(q.view(torch.uint8), ref["layer.weight"].view(torch.uint8))
+    assert torch.equal(s, ref["layer.weight_scale_inv"].float())
+    assert s[0, 0] == 1.0                                  # the all-zero block
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 328), (5, 130)])
+def test_ragged_blocks_round_trip_within_e4m3_rounding(n, k):
+    w = weight(n, k, seed=n).float()
+    for cfg in (Fp8BlockConfig(), Fp8BlockConfig(ue8m0=True), Fp8BlockConfig((64, 32))):
+        q, s = quantize_fp8_block(w, cfg)
+        assert tuple(s.shape) == cfg.scale_shape(n, k) and q.shape == (n, k)
+        deq = dequantize_fp8_block(q, s, cfg.block)
+        per = s.repeat_interleave(cfg.block[0], 0)[:n].repeat_interleave(cfg.block[1], 1)[:, :k]
+        # e4m3: 3 mantissa bits (half an ulp is 2^-4 relative), subnormals spaced 2^-9 x the scale
+        assert ((deq - w).abs() <= 2.0**-4 * w.abs() + 2.0**-10 * per).all(), cfg
+        assert (q.float().abs().amax() <= FP8_MAX) and (q.float().abs().amax() > FP8_MAX / 2 or cfg.ue8m0)
+        if cfg.ue8m0:
+            assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+
+
+def test_dequantize_matches_transformers():
+    q, s = quantize_fp8_block(weight(256, 384, seed=3))
+    ref = fp8_hf._dequantize_fp8_weight(q, s, [128, 128], torch.float32)
+    assert torch.equal(dequantize_fp8_block(q, s, (128, 128)), ref)
+
+
+def test_config_round_trip_and_named_errors():
+    for cfg in (Fp8BlockConfig(), Fp8BlockConfig((64, 128), True)):
+        assert Fp8BlockConfig.from_hf(cfg.to_hf()) == cfg
+    deepseek = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert Fp8BlockConfig.from_hf(deepseek) == Fp8BlockConfig()
+    for change, field in (({"quant_method": "awq"}, "quant_method"), ({"fmt": "e5m2"}, "fmt"),
+                          ({"activation_scheme": "static"}, "activation_scheme"),
+                          ({"weight_block_size": None}, "weight_block_size"),
+                          ({"weight_block_size": [128, 0]}, "weight_block_size"),
+                          ({"weight_block_size": [128]}, "weight_block_size"), ({"scale_fmt": "e4m3"}, "scale_fmt")):
+        with pytest.raises(ValueError, match=f"quantization_config.{field}"):
+            Fp8BlockConfig.from_hf({**deepseek, **change})
+
+
+def test_checkpoint_tensors_are_checked_by_name():
+    cfg = Fp8BlockConfig()
+    q, s = quantize_fp8_block(weight(200, 328))
+    check_fp8_tensors("model.layers.0.mlp.down_proj", q, s, 200, 328, cfg)
+    bad = [(q.float(), s, "down_proj.weight: expected float8_e4m3fn"),
+           (q[:, :256], s, r"down_proj.weight: expected float8_e4m3fn \[200, 328\]"),
+           (q, s[:, :2], r"weight_scale_inv: expected float32 \[2, 3\]"),
+           (q, s.to(torch.float16), "weight_scale_inv: expected float32"),
+           (q, torch.where(s > s.min(), s, torch.zeros_like(s)), "finite and positive"),
+           (q, torch.full_like(s, float("nan")), "finite and positive")]
+    for wt, sc, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_fp8_tensors("model.layers.0.mlp.down_proj", wt, sc, 200, 328, cfg)
+    with pytest.raises(ValueError, match="ue8m0 needs powers of two"):
+        check_fp8_tensors("x", q, s * 1.5, 200, 328, Fp8BlockConfig(ue8m0=True))
+    with pytest.raises(ValueError, match="2-D float weight"):
+        quantize_fp8_block(torch.zeros(4, dtype=torch.float32))
