@@ -84,3 +84,89 @@ def test_checkpoint_tensors_are_checked_by_name():
         check_fp8_tensors("x", q, s * 1.5, 200, 328, Fp8BlockConfig(ue8m0=True))
     with pytest.raises(ValueError, match="2-D float weight"):
         quantize_fp8_block(torch.zeros(4, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------ FP8 checkpoints, loaded dequantized
+def fp8_checkpoint(src: str, dst: str, block=(128, 128), ue8m0=False, edit=None) -> dict:
+    """src's projections written as an HF fp8 block checkpoint (lm_head, embeddings and norms stay as
+    they are, as DeepSeek-V3's and Qwen3-FP8's writers leave them); returns the dequantized weights."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    cfg = Fp8BlockConfig(block, ue8m0)
+    out, ref = {}, {}
+    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            q, s = quantize_fp8_block(w, cfg)
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
+            ref[name] = dequantize_fp8_block(q, s, block)
+        else:
+            out[name] = ref[name] = w
+    if edit:
+        edit(out)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = cfg.to_hf()
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Whole 128 x 128 blocks, and ragged ones (intermediate 328: gate/up's N and down's K), which
+    DeepSeek-V3's checkpoints have and transformers' dequantizer cannot read."""
+    from ridge.utils.random_checkpoint import make_random_checkpoint
+    root = tmp_path_factory.mktemp("fp8")
+    return {"whole": make_random_checkpoint(str(root / "whole"), preset="tiny-g128"),
+            "ragged": make_random_checkpoint(str(root / "ragged"), preset="tiny-g128", intermediate_size=328)}
+
+
+def logits_of(path, prompts, **kw):
+    from ridge import LLM
+    from test_int4_formats import first_step_logits
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20, **kw)
+    return llm, first_step_logits(llm, prompts)
+
+
+@pytest.mark.parametrize("blocks,ue8m0", [("whole", False), ("whole", True), ("ragged", False)])
+def test_fp8_checkpoint_loads_as_its_dequantized_weights(sources, tmp_path, blocks, ue8m0):
+    from conftest import prompt_of
+    from test_int4_formats import plain_checkpoint
+    ref = fp8_checkpoint(sources[blocks], str(tmp_path / "fp8"), ue8m0=ue8m0)
+    prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 11))]
+    _, fp8 = logits_of(str(tmp_path / "fp8"), prompts)
+    _, plain = logits_of(plain_checkpoint(sources[blocks], str(tmp_path / "plain"), ref), prompts)
+    assert torch.equal(fp8, plain)
+    if blocks == "ragged":
+        return
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")                      # transformers' FP8 loading asks for it
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "fp8"), dtype=torch.float32,
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0" if ue8m0 else "float"))
+    for p, row in zip(prompts, fp8):
+        want = hf(torch.tensor([p])).logits[0, -1].float()
+        assert (row - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(sources, tmp_path):
+    from ridge import LLM
+    proj = "model.layers.0.mlp.down_proj"
+    cases = [(lambda t: t.pop(f"{proj}.weight_scale_inv"), f"'{proj}.weight' has no '{proj}.weight_scale_inv'"),
+             (lambda t: t.update({f"{proj}.weight_scale_inv": t[f"{proj}.weight_scale_inv"][:, :1].contiguous()}),
+              rf"{proj}.weight_scale_inv: expected float32 \[2, 3\]"),
+             (lambda t: t.update({f"{proj}.weight_scale_inv": -t[f"{proj}.weight_scale_inv"]}), "finite and positive"),
+             (lambda t: t.update({f"{proj}.weight": t[f"{proj}.weight"].float()}),
+              f"'{proj}.weight_scale_inv' has no '{proj}.weight \\(float8_e4m3fn\\)'")]
+    for i, (edit, message) in enumerate(cases):
+        path = str(tmp_path / f"bad{i}")
+        fp8_checkpoint(sources["ragged"], path, edit=edit)
+        with pytest.raises(ValueError, match=message):
+            LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20)
+    with pytest.raises(ValueError, match="quantization: 'int4' does not apply to this FP8 checkpoint"):
+        LLM(str(tmp_path / "bad0"), device="cpu", show_progress=False, quantization="int4")

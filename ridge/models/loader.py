@@ -13,7 +13,8 @@ A module that knows its own tables (an INT4 Linear: integer codes, scales) fills
 
 Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the model is built, from
 the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
-format's tensors. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
+format's tensors. An FP8 block checkpoint (quant_method fp8, ridge/layers/quant/fp8.py) loads
+dequantized to the model's dtype: each weight once its block scales are in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
 act-order: the input permutation needs all of a layer's tensors).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
+from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 
@@ -76,7 +78,15 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
                load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    quant = select_quantization(quantization, cfg.quantization_config)
+    qc, fp8 = cfg.quantization_config, None
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "fp8":
+        if quantization is not None:
+            raise ValueError(f"quantization: {quantization!r} does not apply to this FP8 checkpoint "
+                             f"(quantization_config.quant_method 'fp8'), which loads dequantized to the model's "
+                             f"dtype; leave quantization unset")
+        fp8, quant = Fp8BlockConfig.from_hf(qc), None
+    else:
+        quant = select_quantization(quantization, qc)
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
@@ -85,7 +95,10 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
             model = model_class(cfg.architecture)(cfg, backend, max_position)
     finally:
         torch.set_default_dtype(default)
-    initialize_dummy_weights(model, seed) if load_format == "dummy" else load_weights(model, path, cfg, show_progress)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        load_weights(model, path, cfg, show_progress, fp8)
     return model.eval()
 
 
@@ -109,16 +122,28 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progress: bool = True) -> None:
+def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progress: bool = True,
+                 fp8: Fp8BlockConfig | None = None) -> None:
     """Stream the checkpoint's tensors, each to its parameter's weight_loader (with its shard id
-    when it is one part of a merged parameter); every expected tensor must arrive exactly once."""
+    when it is one part of a merged parameter); every expected tensor must arrive exactly once.
+    fp8: an FP8 block checkpoint, each weight dequantized once its scales are in (BlockFp8Reader)."""
     params = dict(model.named_parameters())
+    reader = BlockFp8Reader(fp8) if fp8 is not None else None
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress) as bar:
         for file in checkpoint_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    tensor = None
+                    if reader is not None:
+                        try:
+                            got = reader.feed(name, f.get_tensor(name))
+                        except ValueError as e:
+                            raise ValueError(f"model: {e}") from None
+                        if got is None:
+                            continue
+                        name, tensor = got
                     if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                         continue
                     pname, shard = _param_slot(model, name)
@@ -128,11 +153,17 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                          f"(config and checkpoint disagree)")
                     try:
-                        params[pname].weight_loader(params[pname], f.get_tensor(name), shard)
+                        params[pname].weight_loader(params[pname], f.get_tensor(name) if tensor is None else tensor,
+                                                    shard)
                     except ValueError as e:
                         raise ValueError(f"model: tensor {name!r} {e}") from None
                     loaded.add((pname, shard))
                     bar.update(1)
+    if reader is not None:
+        try:
+            reader.finish()
+        except ValueError as e:
+            raise ValueError(f"model: {e}") from None
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [_checkpoint_name(model, p, s) for p, s in missing]

@@ -114,3 +114,37 @@ def check_fp8_tensors(name: str, weight: torch.Tensor, scale_inv: torch.Tensor, 
         raise ValueError(f"{name}.weight_scale_inv: every scale must be finite and positive")
     if config.ue8m0 and not bool((torch.exp2(torch.round(torch.log2(s))) == s).all()):
         raise ValueError(f"{name}.weight_scale_inv: scale_fmt ue8m0 needs powers of two")
+
+
+class BlockFp8Reader:
+    """Pairs each FP8 `X.weight` with its `X.weight_scale_inv` as a checkpoint streams by (either
+    may come first, or in another shard) and hands on `X.weight` dequantized to float32; every
+    other tensor passes through. ridge reads an FP8 checkpoint this way until its FP8 GEMMs land:
+    the weights take the model's dtype at load, and the model runs as a float one."""
+
+    def __init__(self, config: Fp8BlockConfig):
+        self.config, self.pending = config, {}
+
+    def feed(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if name.endswith(".weight_scale_inv"):
+            base = name[:-len("_scale_inv")]
+        elif name.endswith(".weight") and tensor.dtype == FP8:
+            base = name
+        else:
+            return name, tensor
+        other = self.pending.pop(base, None)
+        if other is None:
+            self.pending[base] = tensor
+            return None
+        weight, scale = (tensor, other) if name == base else (other, tensor)
+        if weight.dim() != 2:
+            raise ValueError(f"{base}: expected float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
+        check_fp8_tensors(base[:-len(".weight")], weight, scale, *weight.shape, self.config)
+        return base, dequantize_fp8_block(weight, scale, self.config.block)
+
+    def finish(self) -> None:
+        """Every FP8 weight found its scales, and every scale its weight."""
+        for base, tensor in self.pending.items():
+            missing, present = ((f"{base}_scale_inv", base) if tensor.dtype == FP8 else
+                                (f"{base} (float8_e4m3fn)", f"{base}_scale_inv"))
+            raise ValueError(f"checkpoint tensor {present!r} has no {missing!r}")
