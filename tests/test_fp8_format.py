@@ -170,3 +170,30 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(sources, tmp_path):
             LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20)
     with pytest.raises(ValueError, match="quantization: 'int4' does not apply to this FP8 checkpoint"):
         LLM(str(tmp_path / "bad0"), device="cpu", show_progress=False, quantization="int4")
+
+
+def test_ridge_quantize_fp8_writes_the_format_bit_for_bit(sources, tmp_path, capsys):
+    """`ridge quantize --method fp8`: each checkpoint Linear (q, k and v apart, though ridge merges
+    them) blocked on its own, the same bits as quantizing the source's tensors directly; the other
+    files copied; ridge loads the result."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from ridge.cli import main
+    src, out = sources["ragged"], str(tmp_path / "q")
+    assert main(["quantize", "--model", src, "--out", out, "--method", "fp8", "--device", "cpu"]) == 0
+    assert "HF fp8" in capsys.readouterr().out
+    fp8_checkpoint(src, str(tmp_path / "direct"))
+    got, want = (load_file(os.path.join(d, "model.safetensors")) for d in (out, str(tmp_path / "direct")))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert Fp8BlockConfig.from_hf(config["quantization_config"]) == Fp8BlockConfig()
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    logits_of(out, [[5, 6, 7]])
+    with pytest.raises(ValueError, match="ridge quantize starts from a float checkpoint"):
+        from ridge.quantize import quantize
+        quantize(out, str(tmp_path / "again"), method="fp8", device="cpu", show_progress=False)

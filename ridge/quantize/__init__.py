@@ -1,5 +1,6 @@
 """`ridge quantize`: INT4 weight-only checkpoints (W4A16, group-wise scales and zero points) by
-round-to-nearest or AWQ, written in compressed-tensors `pack-quantized` format (checkpoint.py).
+round-to-nearest or AWQ, written in compressed-tensors `pack-quantized` format (checkpoint.py);
+and FP8 (e4m3, 128 x 128 block scales) in the HF fp8 format.
 
 It sits on top of the engine (like eval_ppl and the CLI): AWQ calibrates by running text through
 ridge's own engine and reading what each Linear sees (calib.py); the search and folding are
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-METHODS = ("awq", "rtn")
+METHODS = ("awq", "rtn", "fp8")
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CALIB_TOKENS = 32768
 DEFAULT_CALIB_SEQ_LEN = 512
@@ -46,6 +47,8 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
         raise ValueError(f"model: {src!r} would load quantized (quantization_config or --quantization); "
                          f"ridge quantize starts from a float checkpoint")
     check_out_dir(src, out)
+    if method == "fp8":
+        return _write_fp8(src, out, engine_settings, show_progress)
     for k, name in ((model_cfg.hidden_size, "qkv_proj and gate_up_proj"), (model_cfg.q_size, "o_proj"),
                     (model_cfg.intermediate_size, "down_proj")):
         if k % group_size:
@@ -68,6 +71,21 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     summary = dict(model=src, out=out, method=method, group_size=group_size, format=FORMAT,
                    calib_files=len(files), calib_tokens=sum(map(len, windows)),
                    linears={n: lp.report for n, lp in plan.linears.items() if lp.report})
+    with open(os.path.join(out, "quantize_report.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _write_fp8(src: str, out: str, engine_settings: dict, show_progress: bool) -> dict:
+    """No calibration: each block's scale is its amax / 448, as the format's writers compute it."""
+    from ridge import LLM
+    from ridge.layers.quant.fp8 import Fp8BlockConfig
+    from ridge.quantize.checkpoint import fp8_tensors, write_checkpoint
+
+    config = Fp8BlockConfig()
+    net = LLM(src, show_progress=show_progress, **{**engine_settings, "enable_prefix_caching": False}).engine.runner.model
+    write_checkpoint(net, src, out, None, fp8_tensors(net, config), config.to_hf())
+    summary = dict(model=src, out=out, method="fp8", format="HF fp8 (e4m3, 128 x 128 block scales)")
     with open(os.path.join(out, "quantize_report.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

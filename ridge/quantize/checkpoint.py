@@ -1,13 +1,15 @@
 """Write a quantized checkpoint: the source checkpoint with each decoder Linear's weight replaced.
 
-The format is compressed-tensors `pack-quantized` (llm-compressor's output; vLLM, SGLang and
+INT4 (rtn, awq) is written as compressed-tensors `pack-quantized` (llm-compressor's output; vLLM, SGLang and
 transformers load it): per Linear `weight_packed`, `weight_scale`, `weight_zero_point` and
 `weight_shape`, and a `quantization_config` in config.json (INT4, group strategy, asymmetric,
 lm_head ignored). Why this format rather than AutoAWQ's GEMM layout: see ridge/layers/quant/formats.py;
 in short it states its scheme in one schema, keeps the weight's [N, K] orientation, and carries RTN
 and AWQ results alike (AWQ's output is an ordinary asymmetric group-quantized weight once its scales
 are folded). Packing, the config entry and the round-to-nearest grid are the formats module's, the
-same code ridge's loader reads them back with.
+same code ridge's loader reads them back with. FP8 (fp8) is written in the HF fp8 block format
+(`weight` e4m3 and `weight_scale_inv` per 128 x 128 block: DeepSeek-V3's and Qwen3-*-FP8's,
+which transformers, vLLM and ridge read), by ridge/layers/quant/fp8.py's quantizer.
 
 Tensors the plan does not touch are copied bit for bit from the source; tensors it changed (the
 norm weights AWQ folded into, biases) are written in the source tensor's dtype. Every other file
@@ -78,15 +80,33 @@ def quantized_tensors(model, plan, group_size: int, scale_dtype: torch.dtype) ->
     return out
 
 
+@torch.no_grad()
+def fp8_tensors(model, config) -> dict[str, dict]:
+    """Checkpoint Linear prefix -> {weight: float8_e4m3fn, weight_scale_inv}: every decoder Linear
+    in the HF fp8 block format (ridge/layers/quant/fp8.py), each checkpoint Linear (a shard of a
+    merged one) blocked on its own, as the format's readers expect."""
+    from ridge.layers.quant.fp8 import quantize_fp8_block
+    from ridge.quantize.calib import decoder_linears
+
+    out = {}
+    for name, lin in decoder_linears(model).items():
+        for shard, ckpt in checkpoint_names(model, name).items():
+            first, n = lin.shards[shard]
+            q, scale_inv = quantize_fp8_block(lin.weight[first:first + n].float().cpu(), config)
+            out[ckpt] = {"weight": q, "weight_scale_inv": scale_inv}
+    return out
+
+
 def quantization_config(group_size: int) -> dict:
     """Asymmetric (zero points), group strategy; the LM head stays in the model's dtype."""
     return compressed_tensors_config(group_size, symmetric=False, ignore=["lm_head"])
 
 
 def write_checkpoint(model, src: str, out: str, plan, quantized: dict[str, dict], quant_config: dict) -> None:
-    """src's checkpoint with the quantized Linears and the plan's changed tensors, into out."""
+    """src's checkpoint with the quantized Linears and the plan's changed tensors (plan None: none),
+    into out."""
     replaced = {}
-    for pname, t in plan.tensors.items():
+    for pname, t in (plan.tensors if plan is not None else {}).items():
         for ckpt, rows in _leaf_name(model, pname).items():
             replaced[ckpt] = (t if rows is None else t[rows]).cpu()
     tensors, seen = {}, set()

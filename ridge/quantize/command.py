@@ -16,7 +16,8 @@ def add_quantize_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, metavar="DIR", help="directory for the quantized checkpoint (new or empty)")
     q.add_argument("--method", choices=METHODS, default="awq",
                    help="awq: activation-aware scales and clipping searched on calibration text; "
-                        "rtn: round to nearest (default: awq)")
+                        "rtn: round to nearest (both INT4, compressed-tensors); fp8: e4m3 weights with 128 x 128 "
+                        "block scales in the HF fp8 format (default: awq)")
     q.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, metavar="N",
                    help=f"input channels sharing one scale and zero point (default: {DEFAULT_GROUP_SIZE})")
     q.add_argument("--calib-files", nargs="+", default=None, metavar="FILE",
@@ -39,6 +40,9 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     model = engine.pop("model")
     r = quantize(model, a.out, method=a.method, group_size=a.group_size, calib_files=a.calib_files,
                  calib_tokens=a.calib_tokens, calib_seq_len=a.calib_seq_len, **engine)
+    if r["method"] == "fp8":
+        print(f"wrote {r['out']} ({r['format']})")
+        return 0
     reports = list(r["linears"].values())
     line = f"wrote {r['out']} ({r['method']}, group {r['group_size']}, {r['format']})"
     if reports:
