@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ridge.layers.quant.fp8 import (FP8, FP8_MAX, Fp8BlockConfig, check_fp8_tensors, dequantize_fp8_block,
-                                    quantize_fp8_block)
+from ridge.layers.quant.fp8 import (FP8, FP8_MAX, Fp8BlockConfig, as_blocks, check_fp8_tensors, dequantize_fp8_block,
+                                    fp8_config_of, quantize_fp8_block)
 
 fp8_hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
@@ -74,7 +74,7 @@ def test_checkpoint_tensors_are_checked_by_name():
     bad = [(q.float(), s, "down_proj.weight: expected float8_e4m3fn"),
            (q[:, :256], s, r"down_proj.weight: expected float8_e4m3fn \[200, 328\]"),
            (q, s[:, :2], r"weight_scale_inv: expected float32 \[2, 3\]"),
-           (q, s.to(torch.float16), "weight_scale_inv: expected float32"),
+           (q, s.to(torch.float64), "weight_scale_inv: expected float32"),
            (q, torch.where(s > s.min(), s, torch.zeros_like(s)), "finite and positive"),
            (q, torch.full_like(s, float("nan")), "finite and positive")]
     for wt, sc, message in bad:
@@ -197,3 +197,77 @@ def test_ridge_quantize_fp8_writes_the_format_bit_for_bit(sources, tmp_path, cap
     with pytest.raises(ValueError, match="ridge quantize starts from a float checkpoint"):
         from ridge.quantize import quantize
         quantize(out, str(tmp_path / "again"), method="fp8", device="cpu", show_progress=False)
+
+
+# ------------------------------------------------------ compressed-tensors float-quantized (llm-compressor's FP8)
+def ct_fp8_checkpoint(src: str, dst: str, strategy: str, static_input: bool = False) -> dict:
+    """src's projections compressed by compressed-tensors' own FloatQuantizationCompressor (scales
+    amax / 448 per tensor, channel or 128 x 128 block); returns what its decompress gives back."""
+    import json
+    import os
+    import shutil
+
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    block = [128, 128] if strategy == "block" else None
+    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, block_structure=block)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    out, ref = {}, {}
+    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            out[name] = ref[name] = w
+            continue
+        cfg = Fp8BlockConfig(tuple(block) if block else None, strategy=strategy, scale_name="weight_scale")
+        grid = as_blocks(w.float(), cfg.block_for(*w.shape)).abs().amax(dim=(1, 3)) / FP8_MAX
+        scale = grid.reshape(1) if strategy == "tensor" else grid
+        packed = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        prefix = name[:-len(".weight")]
+        out.update({f"{prefix}.weight": packed["weight"].contiguous(), f"{prefix}.weight_scale": scale})
+        if static_input:
+            out[f"{prefix}.input_scale"] = torch.tensor([0.02])
+        ref[name] = FloatQuantizationCompressor.decompress(packed, scheme)["weight"]
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "block_structure": block, "observer": "minmax"}
+    acts = ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+            if static_input else {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                  "dynamic": True})
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                        "format": "float-quantized"}}, "ignore": ["lm_head"]}
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qc
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return ref
+
+
+@pytest.mark.parametrize("strategy,static_input", [("tensor", True), ("channel", False), ("block", False)])
+def test_compressed_tensors_float_quantized_loads_as_the_library_decompresses_it(sources, tmp_path, strategy,
+                                                                                 static_input):
+    pytest.importorskip("compressed_tensors")
+    from conftest import prompt_of
+    from test_int4_formats import plain_checkpoint
+    ref = ct_fp8_checkpoint(sources["ragged"], str(tmp_path / "ct"), strategy, static_input)
+    prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 11))]
+    _, fp8 = logits_of(str(tmp_path / "ct"), prompts)
+    _, plain = logits_of(plain_checkpoint(sources["ragged"], str(tmp_path / "plain"), ref), prompts)
+    assert torch.equal(fp8, plain)
+
+
+def test_compressed_tensors_fp8_configs_name_the_field():
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]}
+    qc = lambda **w: {"quant_method": "compressed-tensors", "format": "float-quantized",    # noqa: E731
+                      "config_groups": {"g": {"weights": {**weights, **w}}}}
+    assert fp8_config_of(qc()) == Fp8BlockConfig((128, 128), strategy="block", scale_name="weight_scale")
+    for change, message in (({"strategy": "group"}, r"config_groups\.g\.weights\.strategy: 'group'"),
+                            ({"num_bits": 4}, r"config_groups\.g\.weights: expected num_bits 8"),
+                            ({"symmetric": False}, "asymmetric"), ({"block_structure": None}, "block_structure")):
+        with pytest.raises(ValueError, match=message):
+            fp8_config_of(qc(**change))
+    with pytest.raises(ValueError, match="kv_cache_scheme"):
+        fp8_config_of({**qc(), "kv_cache_scheme": {"num_bits": 8}})
+    assert fp8_config_of({"quant_method": "awq"}) is None and fp8_config_of(None) is None

@@ -13,8 +13,8 @@ A module that knows its own tables (an INT4 Linear: integer codes, scales) fills
 
 Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the model is built, from
 the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
-format's tensors. An FP8 block checkpoint (quant_method fp8, ridge/layers/quant/fp8.py) loads
-dequantized to the model's dtype: each weight once its block scales are in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
+format's tensors. An FP8 checkpoint (HF fp8 blocks or compressed-tensors float-quantized,
+ridge/layers/quant/fp8.py) loads dequantized to the model's dtype: each weight once its block scales are in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
 act-order: the input permutation needs all of a layer's tensors).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
-from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig
+from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 
@@ -78,15 +78,13 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
                load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    qc, fp8 = cfg.quantization_config, None
-    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "fp8":
-        if quantization is not None:
-            raise ValueError(f"quantization: {quantization!r} does not apply to this FP8 checkpoint "
-                             f"(quantization_config.quant_method 'fp8'), which loads dequantized to the model's "
-                             f"dtype; leave quantization unset")
-        fp8, quant = Fp8BlockConfig.from_hf(qc), None
-    else:
-        quant = select_quantization(quantization, qc)
+    fp8, quant = fp8_config_of(cfg.quantization_config), None
+    if fp8 is not None and quantization is not None:
+        raise ValueError(f"quantization: {quantization!r} does not apply to this FP8 checkpoint (quantization_config "
+                         f"{cfg.quantization_config.get('quant_method')!r}), which loads dequantized to the model's "
+                         f"dtype; leave quantization unset")
+    if fp8 is None:
+        quant = select_quantization(quantization, cfg.quantization_config)
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
