@@ -39,7 +39,7 @@ BASELINE=${BASELINE:-.baseline/5e4f924}
 KNOWN=tests-kernels,attention,gemv,fused,int4,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,serve-load
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
-              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py"}
+              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py"}
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }

@@ -4,7 +4,8 @@ The fused kernels compute in fp32 registers and round at exactly the points wher
 reference rounds (a bf16 op in torch is an fp32 op rounded to nearest-even), so their bf16
 outputs agree with the reference bit for bit, up to fp32-ulp differences in exp/rsqrt. On the
 GPU `.to(tl.bfloat16)` is one cvt.rn instruction. Triton's CPU interpreter instead *truncates*
-fp32 -> bf16 (its converter ignores the default rounding mode), which would make every
+fp32 -> bf16 (its converter ignores the default rounding mode; its fp32 -> e4m3 converter
+mis-rounds values that carry into the next binade), which would make every
 interpreter bf16 comparison off by up to an ulp per rounding point. With EMULATE_RNE (set by
 the launchers only for CPU tensors, i.e. only under the interpreter) the rounding is done in
 integer arithmetic first, so the truncating conversion that follows is exact. Compiled kernels
@@ -26,6 +27,12 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
             # then drop the 16 low bits: the bf16 value is now exact in fp32
             bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
+        elif DTYPE == tl.float8e4nv:     # |x| <= 448 (callers clamp); the interpreter's converter
+            # also mis-rounds values that carry into the next binade (124.3 -> 64): round first
+            bits = x.to(tl.uint32, bitcast=True)
+            normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+            sub = (x + 24576.0) - 24576.0        # below 2^-6 the e4m3 step is 2^-9: 1.5 x 2^14 rounds to it
+            x = tl.where(tl.abs(x) < 0.015625, sub, normal)
     return x.to(DTYPE)
 
 
