@@ -110,3 +110,18 @@ def test_e4m3_rounding_at_binade_edges_ties_and_subnormals():
     q, s = quantize_act_fp8(row[None])
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8), row[None].to(FP8).view(torch.uint8))
+
+
+def test_benchmark_plan_and_dry_run(capsys, monkeypatch):
+    from tests_support import load_benchmark
+    b = load_benchmark("fp8_gemm")
+    monkeypatch.delenv("OUT", raising=False)
+    plan = b.cases(b.parse_args([]))
+    assert len(plan) == (4 + 3) * 5 and {c["M"] for c in plan} == {64, 128, 512, 2048, 4096}
+    assert ("7168x16384", 7168, 16384) in {(c["proj"], c["N"], c["K"]) for c in plan}
+    assert b.fp8_bytes(dict(M=1, N=128, K=256)) == 256 + 128 * 256 + 4 * (2 + 2) + 2 * 128
+    b.main(["--dry-run", "--models", "deepseek-v3", "--rows", "64"])
+    assert capsys.readouterr().out.startswith("3 cases")
+    rows = [dict(M=4096, x_cublas_block=0.95), dict(M=128, x_cublas_block=1.2), dict(M=512, x_cublas_block=None)]
+    v = b.verdicts(rows)
+    assert v["x_cublas_block_at_M_ge_2048"]["met"] and not v["x_cublas_block_at_M_le_128"]["met"]
