@@ -24,16 +24,14 @@ targets (16): >= 0.9x cuBLAS block-scaled at M >= 2048, >= 1.5x at M <= 128.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, l2_bytes as device_l2_bytes, time_calls  # noqa: E402
+from timing import calls_for, copies_for, cuda_run, print_plan, run_plan, time_calls  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -158,32 +156,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     plan = cases(args)
     if args.dry_run:
-        print(f"{len(plan)} cases")
-        for c in plan:
-            print(f"  {c['model']:<12} {c['proj']:<11} M={c['M']:<5} N={c['N']:>6} K={c['K']:>6} "
-                  f"{2 * c['M'] * c['N'] * c['K'] / 1e9:9.1f} GFLOP  fp8 {fp8_bytes(c) / 1e6:7.1f} MB")
-        return
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/fp8_gemm.py needs a CUDA GPU (--dry-run prints the plan; the kernels' CPU checks are "
-                 "tests/test_fp8_kernels.py under TRITON_INTERPRET=1)")
+        return print_plan(plan, lambda c: f"{c['model']:<12} {c['proj']:<11} M={c['M']:<5} N={c['N']:>6} K={c['K']:>6} "
+                                          f"{2 * c['M'] * c['N'] * c['K'] / 1e9:9.1f} GFLOP  fp8 {fp8_bytes(c) / 1e6:7.1f} MB")
+    seed, gen, l2 = cuda_run("fp8_gemm.py", "tests/test_fp8_kernels.py")
     import triton
 
-    t0 = time.perf_counter()
-    seed = int.from_bytes(os.urandom(4), "little")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    l2 = device_l2_bytes()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "seed": seed, "reps": args.reps, "rows": []}
-    for c in plan:
-        print(f"{c['model']} {c['proj']} M={c['M']} ...", flush=True)
-        result["rows"].append(run_case(c, gen, l2, args))
-        torch.cuda.empty_cache()
-    result["verdicts"] = verdicts(result["rows"])
-    result["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    run_plan(plan, lambda c: run_case(c, gen, l2, args), result, verdicts, args.json)
     print(f"\n{result['device']}  seed {seed}, {result['wall_s']:.0f} s; TFLOP/s (CUDA-graph medians); "
           f"x = peer time / ridge time")
     print(f"{'model':<12} {'proj':<11}{'M':>5} {'ridge':>7} {'block':>7} {'rowwise':>7} {'bf16':>7} "

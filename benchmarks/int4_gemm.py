@@ -32,16 +32,14 @@ tinygemm at every M.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls  # noqa: E402
+from timing import calls_for, copies_for, copy_bandwidth_gbps, cuda_run, print_plan, run_plan, time_calls  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -224,36 +222,18 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     plan = cases(args)
     if args.dry_run:
-        print(f"{len(plan)} cases")
-        for c in plan:
-            print(f"  {c['model']:<10} {c['proj']:<8} M={c['M']:<4} N={c['N']:>6} K={c['K']:>6} "
-                  f"int4 {int4_bytes(c) / 1e6:7.1f} MB  bf16 {bf16_bytes(c) / 1e6:7.1f} MB  "
-                  f"int4 copies {sets_for(c['N'], c['K'], c['M'], 50 << 20)}")
-        return
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/int4_gemm.py needs a CUDA GPU (--dry-run prints the plan; the kernels' CPU "
-                 "checks are tests/test_int4_kernels.py under TRITON_INTERPRET=1)")
+        return print_plan(plan, lambda c: f"{c['model']:<10} {c['proj']:<8} M={c['M']:<4} N={c['N']:>6} K={c['K']:>6} "
+                                          f"int4 {int4_bytes(c) / 1e6:7.1f} MB  bf16 {bf16_bytes(c) / 1e6:7.1f} MB  "
+                                          f"int4 copies {sets_for(c['N'], c['K'], c['M'], 50 << 20)}")
+    seed, gen, l2 = cuda_run("int4_gemm.py", "tests/test_int4_kernels.py")
     import triton
 
-    t_start = time.perf_counter()
-    seed = int.from_bytes(os.urandom(4), "little")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    l2 = device_l2_bytes()
     copy_gbps = copy_bandwidth_gbps()
     result = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
               "l2_bytes": l2, "torch": torch.__version__, "triton": triton.__version__, "seed": seed,
               "dtype": str(DT), "group_size": GROUP, "copy_GBps": copy_gbps, "calls_min": args.calls,
               "reps": args.reps, "rows": []}
-    for c in plan:
-        print(f"{c['model']} {c['proj']} M={c['M']} ...", flush=True)
-        result["rows"].append(run_case(c, gen, l2, copy_gbps, args))
-        torch.cuda.empty_cache()
-    result["verdicts"] = verdicts(result["rows"])
-    result["wall_s"] = time.perf_counter() - t_start
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    run_plan(plan, lambda c: run_case(c, gen, l2, copy_gbps, args), result, verdicts, args.json)
 
     print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s  bf16 x, INT4 g{GROUP} weights, "
           f"seed {seed}, {result['wall_s']:.0f} s")

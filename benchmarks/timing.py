@@ -168,3 +168,47 @@ def try_time(name: str, timer: Callable[[], Timing]) -> Timing | None:
         msg = str(e).splitlines()[0][:120] if str(e) else ""
         print(f"  {name}: n/a ({type(e).__name__}: {msg})", flush=True)
         return None
+
+
+def cuda_run(script: str, cpu_tests: str):
+    """The start of a kernel benchmark's GPU run: without CUDA, exit pointing at the CPU checks;
+    else (seed, a CUDA generator seeded with it, the L2 size) for the run's fresh random inputs."""
+    import os
+    import sys
+
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit(f"benchmarks/{script} needs a CUDA GPU (--dry-run prints the plan; the kernels' CPU checks are "
+                 f"{cpu_tests} under TRITON_INTERPRET=1)")
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, torch.Generator(device="cuda").manual_seed(seed), l2_bytes()
+
+
+def print_plan(plan: list[dict], describe: Callable[[dict], str]) -> None:
+    """--dry-run: the number of cases, then one line per case."""
+    print(f"{len(plan)} cases")
+    for c in plan:
+        print("  " + describe(c))
+
+
+def run_plan(plan: list[dict], run_case: Callable[[dict], dict], result: dict, verdicts: Callable[[list], dict],
+             json_path: str | None) -> dict:
+    """Each case in turn (freeing the allocator's cache between them), then the verdicts and the
+    wall time into `result`, written as JSON to json_path when given."""
+    import json
+    import os
+    import time
+
+    import torch
+    t0 = time.perf_counter()
+    for c in plan:
+        print(f"{c['model']} {c['proj']} M={c['M']} ...", flush=True)
+        result["rows"].append(run_case(c))
+        torch.cuda.empty_cache()
+    result["verdicts"] = verdicts(result["rows"])
+    result["wall_s"] = time.perf_counter() - t0
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.rounding import emulate_rne, round_to
+from ridge.kernels.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -96,13 +97,7 @@ def _fp8_gemm_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                      EVEN_K: tl.constexpr, EMULATE_RNE: tl.constexpr):
     BK: tl.constexpr = 128
     pid = tl.program_id(0)
-    m_blocks = tl.cdiv(M, BM)
-    n_blocks = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * n_blocks)
-    first_m = group * GROUP_M
-    rows_here = tl.minimum(m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_blocks)) % rows_here
-    pid_n = (pid % (GROUP_M * n_blocks)) // rows_here
+    pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)

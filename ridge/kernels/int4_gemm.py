@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ridge.kernels.int4_gemv import COUNTER_SLOTS, dequant_plane, num_sms, splitk_store, ticket_counters
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
+from ridge.kernels.tiles import grouped_tile
 
 _INTERPRET = triton.knobs.runtime.interpret
 _REF_TILE = 128                  # the tile the split-K decision assumes (the configs' common size)
@@ -79,16 +80,9 @@ def _int4_gemm_kernel(X, QW, S, Z, Y, P, C, M, N, stride_xm, stride_ym, M_BUCKET
     TILES: tl.constexpr = (K_TILES + SPLIT_K - 1) // SPLIT_K
     EVEN_K: tl.constexpr = K % BK == 0 and K_TILES % SPLIT_K == 0
     ROW_SCALES: tl.constexpr = G < BK and G != K
-    # grouped order: GROUP_M row blocks sweep the same column blocks together (x and W reuse in L2)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m_blocks = tl.cdiv(M, BM)
-    n_blocks = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * n_blocks)
-    first_m = group * GROUP_M
-    rows_here = tl.minimum(m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_blocks)) % rows_here
-    pid_n = (pid % (GROUP_M * n_blocks)) // rows_here
+    pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)

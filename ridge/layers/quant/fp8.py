@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.layers.quant.formats import compressed_tensors_groups
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                      # the largest finite e4m3fn value
 UE8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -60,17 +62,8 @@ class Fp8BlockConfig:
         """A compressed-tensors `float-quantized` quantization_config (llm-compressor's FP8: per-tensor,
         per-channel or block weight scales; activation schemes are what FP8 compute would use and do
         not change the weights)."""
-        if qc.get("quantization_status", "compressed") != "compressed":
-            raise ValueError(f"quantization_config.quantization_status: {qc['quantization_status']!r} is not "
-                             f"supported (ridge reads compressed checkpoints)")
-        for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
-            if qc.get(key):
-                raise ValueError(f"quantization_config.{key}: is not supported (FP8 weights only)")
-        groups = qc.get("config_groups") or {}
-        if not groups:
-            raise ValueError("quantization_config.config_groups: is missing or empty")
         schemes = set()
-        for name, group in groups.items():
+        for name, group in compressed_tensors_groups(qc, "FP8 weights").items():
             field = f"quantization_config.config_groups.{name}.weights"
             w = group.get("weights") or {}
             if w.get("num_bits") != 8 or w.get("type") != "float":

@@ -122,15 +122,7 @@ def _not_converted(entries, field: str, substring: bool) -> None:
 
 def _compressed_tensors(qc: dict) -> Int4Config:
     top = qc.get("format")
-    if qc.get("quantization_status", "compressed") != "compressed":
-        raise ValueError(f"quantization_config.quantization_status: {qc['quantization_status']!r} is not supported "
-                         f"(ridge reads compressed checkpoints)")
-    for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
-        if qc.get(key):
-            raise ValueError(f"quantization_config.{key}: is not supported (weight-only INT4 only)")
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise ValueError("quantization_config.config_groups: is missing or empty")
+    groups = formats.compressed_tensors_groups(qc, "weight-only INT4")
     schemes = set()
     for name, group in groups.items():
         field = f"quantization_config.config_groups.{name}"
