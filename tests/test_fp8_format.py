@@ -271,3 +271,26 @@ def test_compressed_tensors_fp8_configs_name_the_field():
     with pytest.raises(ValueError, match="kv_cache_scheme"):
         fp8_config_of({**qc(), "kv_cache_scheme": {"num_bits": 8}})
     assert fp8_config_of({"quant_method": "awq"}) is None and fp8_config_of(None) is None
+
+
+def test_weight_and_scale_in_different_shards(sources, tmp_path):
+    """A weight's scales may come before it and from another shard (the reader holds whichever
+    arrives first)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / "sharded")
+    fp8_checkpoint(sources["ragged"], path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    scales = {n: t for n, t in tensors.items() if n.endswith("_scale_inv")}
+    rest = {n: t for n, t in tensors.items() if n not in scales}
+    save_file(scales, os.path.join(path, "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(rest, os.path.join(path, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**{n: "model-00001-of-00002.safetensors" for n in scales},
+                                            **{n: "model-00002-of-00002.safetensors" for n in rest}}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    fp8_checkpoint(sources["ragged"], str(tmp_path / "whole"))
+    assert torch.equal(logits_of(path, [[5, 6, 7]])[1], logits_of(str(tmp_path / "whole"), [[5, 6, 7]])[1])
