@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ridge.layers.quant.fp8 import (FP8, FP8_MAX, Fp8BlockConfig, as_blocks, check_fp8_tensors, dequantize_fp8_block,
-                                    fp8_config_of, quantize_fp8_block)
+from ridge.layers.quant.fp8 import (FP8, FP8_MAX, UE8M0, Fp8BlockConfig, as_blocks, check_fp8_tensors,
+                                    dequantize_fp8_block, fp8_config_of, quantize_fp8_block)
 
 fp8_hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
@@ -101,7 +101,8 @@ def fp8_checkpoint(src: str, dst: str, block=(128, 128), ue8m0=False, edit=None)
     for name, w in load_file(os.path.join(src, "model.safetensors")).items():
         if name.endswith("proj.weight"):
             q, s = quantize_fp8_block(w, cfg)
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
+            # ue8m0 scales stored as float8_e8m0fnu, as transformers and DeepSeek-V3.1 write them
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s.to(UE8M0) if ue8m0 else s
             ref[name] = dequantize_fp8_block(q, s, block)
         else:
             out[name] = ref[name] = w

@@ -8,9 +8,9 @@ transformers' FineGrainedFP8 and vLLM read (config.json `quantization_config`: `
   W[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]
 A 128 x 128 block shares one scale, so a block-scaled GEMM applies it once per K block of 128 to
 its fp32 partial sum (DeepSeek-V3's promotion) instead of once per weight; ue8m0 scales are exact
-exponent shifts. The last blocks of a ragged N or K cover what is left. compressed-tensors `float-quantized`
-(llm-compressor's FP8) is the same arithmetic with `weight_scale` per block, per output channel
-or per tensor.
+exponent shifts. The last blocks of a ragged N or K cover what is left. compressed-tensors
+`float-quantized` (llm-compressor's FP8) is the same arithmetic with `weight_scale` per block, per
+output channel or per tensor.
 
 This module is the format: quantizing a float weight the way those checkpoints were made (per
 block, amax / 448, e4m3 saturating), dequantizing, reading the config and checking a checkpoint's
