@@ -14,8 +14,9 @@ A module that knows its own tables (an INT4 Linear: integer codes, scales) fills
 Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the model is built, from
 the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
 format's tensors. An FP8 checkpoint (HF fp8 blocks or compressed-tensors float-quantized,
-ridge/layers/quant/fp8.py) loads dequantized to the model's dtype: each weight once its block scales are in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4
-act-order: the input permutation needs all of a layer's tensors).
+ridge/layers/quant/fp8.py) loads dequantized to the model's dtype: each weight once its scales are
+in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4 act-order:
+the input permutation needs all of a layer's tensors).
 """
 from __future__ import annotations
 
