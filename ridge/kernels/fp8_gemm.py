@@ -30,9 +30,19 @@ from ridge.kernels.rounding import emulate_rne, round_to
 from ridge.kernels.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_MAX = 448.0      # the largest finite e4m3fn value
 GROUP = 128          # activation group and weight block: the promotion interval
 _AMAX_FLOOR = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
+
+
+def as_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[N, K] -> [N / bn, bn, K / bk, bk], zero-padded to whole blocks (the weights' 128 x 128
+    blocks, the activations' 1 x 128 groups)."""
+    (n, k), (bn, bk) = w.shape, block
+    pn, pk = -n % bn, -k % bk
+    if pn or pk:
+        w = torch.nn.functional.pad(w, (0, pk, 0, pn))
+    return w.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
 
 
 # ------------------------------------------------------------------------- activation quantization
@@ -40,8 +50,7 @@ def quantize_act_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / 128)]): per token and 128 channels,
     scale = amax / 448, q = x / scale rounded to e4m3 (the kernel's arithmetic, in torch)."""
     m, k = x.shape
-    pad = -k % GROUP
-    xf = torch.nn.functional.pad(x.float(), (0, pad)).reshape(m, -1, GROUP)
+    xf = as_blocks(x.float(), (1, GROUP))[:, 0]                       # [M, K / 128, 128]
     scale = xf.abs().amax(dim=2).clamp(min=_AMAX_FLOOR) / FP8_MAX
     q = (xf / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)[:, :k]
     return q.contiguous(), scale

@@ -55,9 +55,9 @@ def _prune(configs, named_args, **kwargs):
     keep = [c for c in configs if c.kwargs["BK"] <= max(64, K) and (G % c.kwargs["BK"] == 0 or G == K
                                                                     or c.kwargs["BK"] % G == 0)]
     keep = [c for c in keep if c.kwargs["BM"] <= max(64, triton.next_power_of_2(M))] or keep
-    # 64 x 128 x 128 / 4 warps: the fastest at M <= 64 on every 8B shape (BENCHMARKS.md), and
-    # only there: above, the autotuner (timing L2-resident weights) could take it where streaming
-    # weights make it slower
+    # 64 x 128 x 128 / 4 warps: the fastest 64-row tile at M = 64 on the 8B qkv, gate_up and down
+    # (BENCHMARKS.md), and only there: above, the autotuner (timing L2-resident weights) could take
+    # it where streaming weights make it slower
     small = [c for c in keep if (c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"]) == (64, 128, 128)]
     keep = (small or keep) if M <= 64 else [c for c in keep if c not in small] or keep
     return keep or configs[:1]

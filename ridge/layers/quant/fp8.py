@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.kernels.fp8_gemm import FP8, FP8_MAX, as_blocks
 from ridge.layers.quant.formats import compressed_tensors_groups
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0                      # the largest finite e4m3fn value
 UE8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
@@ -102,8 +101,8 @@ def fp8_config_of(qc) -> Fp8BlockConfig | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
         return Fp8BlockConfig.from_hf(qc)
-    formats = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()}
-    if method == "compressed-tensors" and "float-quantized" in formats | {qc.get("format")}:
+    formats = {qc.get("format"), *(g.get("format") for g in (qc.get("config_groups") or {}).values())}
+    if method == "compressed-tensors" and "float-quantized" in formats:
         return Fp8BlockConfig.from_compressed_tensors(qc)
     return None
 
@@ -113,15 +112,6 @@ def _block(block, field: str) -> tuple[int, int]:
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ValueError(f"{field}: expected two positive integers [rows, columns], got {block!r}")
     return tuple(block)
-
-
-def as_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """[N, K] -> [N / bn, bn, K / bk, bk], zero-padded to whole blocks."""
-    (n, k), (bn, bk) = w.shape, block
-    pn, pk = -n % bn, -k % bk
-    if pn or pk:
-        w = torch.nn.functional.pad(w, (0, pk, 0, pn))
-    return w.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
 
 
 def quantize_fp8_block(w: torch.Tensor, config: Fp8BlockConfig = Fp8BlockConfig()) -> tuple[torch.Tensor, torch.Tensor]:
