@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, cuda_run, print_plan, run_plan, time_calls  # noqa: E402
+from timing import calls_for, copies_for, cuda_run, print_plan, run_plan, short_error, time_calls  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -77,7 +77,7 @@ def scaled_mm_peers(xq, xs, ops) -> dict:
             fns[0]()
             peers[name] = fns
         except (RuntimeError, TypeError, NotImplementedError) as e:
-            print(f"  {name} unavailable ({type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''})")
+            print(f"  {name} unavailable ({short_error(e)})", flush=True)
     return peers
 
 

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls  # noqa: E402
+from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls, try_time  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -140,11 +140,8 @@ def run_case(c, gen, l2_bytes, copy_gbps, args) -> dict:
     res["cublas_err"] = max_err(cublas_fns(c, ops)[0](), ref)
     del ref
     for peer, fns in (("ridge", ridge_fns(c, ops)), ("cublas", cublas_fns(c, ops))):
-        try:
-            us = time_calls(fns, sets=ops.copies, reps=args.reps).median_us
-        except Exception as e:  # noqa: BLE001 - a failing peer reports n/a, the run goes on
-            print(f"  {peer}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
-            us = None
+        t = try_time(peer, lambda fns=fns: time_calls(fns, sets=ops.copies, reps=args.reps))
+        us = None if t is None else t.median_us
         res[f"{peer}_us"] = us
         res[f"{peer}_GBps"] = None if us is None else nbytes / (us * 1e-6) / 1e9
         res[f"{peer}_frac"] = None if us is None else res[f"{peer}_GBps"] / copy_gbps

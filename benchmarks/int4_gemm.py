@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, copy_bandwidth_gbps, cuda_run, print_plan, run_plan, time_calls  # noqa: E402
+from timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, print_plan, run_plan,  # noqa: E402
+                    short_error, time_calls, try_time)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -138,15 +139,13 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
                               for i in range(calls)], n_i4)
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         res["tinygemm_err"] = None
-        res["tinygemm_unavailable"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        res["tinygemm_unavailable"] = short_error(e)
         print(f"  tinygemm unavailable ({res['tinygemm_unavailable']})", flush=True)
     del ref
     for name, (fns, sets) in peers.items():
-        try:
-            t = time_calls(fns, sets=sets, reps=args.reps)
+        t = try_time(name, lambda fns=fns, sets=sets: time_calls(fns, sets=sets, reps=args.reps))
+        if t is not None:
             res[f"{name}_us"], res[f"{name}_spread"], res[f"{name}_sets"] = t.median_us, t.spread, sets
-        except Exception as e:  # noqa: BLE001 - a failing peer reports n/a, the run goes on
-            print(f"  {name}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
     if args.splits and M <= 64 and "ridge" in peers:
         res["split_sweep"] = sweep_splits(xs, ridge_sets, calls, n_i4, args)
     r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")

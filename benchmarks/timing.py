@@ -160,13 +160,17 @@ def copy_bandwidth_gbps() -> float:
     return measure_bandwidth(torch.device("cuda"))[0] / 1e9
 
 
+def short_error(e: BaseException, width: int = 160) -> str:
+    """An exception as one line for a benchmark's report: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''}"
+
+
 def try_time(name: str, timer: Callable[[], Timing]) -> Timing | None:
     """Run a timing; a peer that fails (a missing backend) reports n/a instead of ending the run."""
     try:
         return timer()
     except Exception as e:  # noqa: BLE001
-        msg = str(e).splitlines()[0][:120] if str(e) else ""
-        print(f"  {name}: n/a ({type(e).__name__}: {msg})", flush=True)
+        print(f"  {name}: n/a ({short_error(e)})", flush=True)
         return None
 
 
