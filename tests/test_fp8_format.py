@@ -1,13 +1,23 @@
 """The block-scaled FP8 weight format (ridge/layers/quant/fp8.py, issue 16): quantization bit for bit
 as transformers' FineGrainedFP8 writes it, dequantization as transformers reads it, ragged shapes
 within e4m3's rounding bound, ue8m0 scales, and errors that name the field or the tensor."""
+import json
+import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from ridge import LLM
+from ridge.cli import main
 from ridge.layers.quant.fp8 import (FP8, FP8_MAX, UE8M0, Fp8BlockConfig, as_blocks, check_fp8_tensors,
                                     dequantize_fp8_block, fp8_config_of, quantize_fp8_block)
+from ridge.quantize import quantize
+from ridge.utils.random_checkpoint import make_random_checkpoint
+from conftest import prompt_of
+from test_int4_formats import edit_config, first_step_logits, plain_checkpoint
 
 fp8_hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
@@ -90,11 +100,6 @@ def test_checkpoint_tensors_are_checked_by_name():
 def fp8_checkpoint(src: str, dst: str, block=(128, 128), ue8m0=False, edit=None) -> dict:
     """src's projections written as an HF fp8 block checkpoint (lm_head, embeddings and norms stay as
     they are, as DeepSeek-V3's and Qwen3-FP8's writers leave them); returns the dequantized weights."""
-    import json
-    import os
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
     cfg = Fp8BlockConfig(block, ue8m0)
     out, ref = {}, {}
@@ -109,11 +114,7 @@ def fp8_checkpoint(src: str, dst: str, block=(128, 128), ue8m0=False, edit=None)
     if edit:
         edit(out)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = cfg.to_hf()
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+    edit_config(dst, quantization_config=cfg.to_hf())
     return ref
 
 
@@ -121,27 +122,22 @@ def fp8_checkpoint(src: str, dst: str, block=(128, 128), ue8m0=False, edit=None)
 def sources(tmp_path_factory):
     """Whole 128 x 128 blocks, and ragged ones (intermediate 328: gate/up's N and down's K), which
     DeepSeek-V3's checkpoints have and transformers' dequantizer cannot read."""
-    from ridge.utils.random_checkpoint import make_random_checkpoint
     root = tmp_path_factory.mktemp("fp8")
     return {"whole": make_random_checkpoint(str(root / "whole"), preset="tiny-g128"),
             "ragged": make_random_checkpoint(str(root / "ragged"), preset="tiny-g128", intermediate_size=328)}
 
 
-def logits_of(path, prompts, **kw):
-    from ridge import LLM
-    from test_int4_formats import first_step_logits
-    llm = LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20, **kw)
-    return llm, first_step_logits(llm, prompts)
+def logits_of(path, prompts):
+    return first_step_logits(LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20),
+                             prompts)
 
 
 @pytest.mark.parametrize("blocks,ue8m0", [("whole", False), ("whole", True), ("ragged", False)])
 def test_fp8_checkpoint_loads_as_its_dequantized_weights(sources, tmp_path, blocks, ue8m0):
-    from conftest import prompt_of
-    from test_int4_formats import plain_checkpoint
     ref = fp8_checkpoint(sources[blocks], str(tmp_path / "fp8"), ue8m0=ue8m0)
     prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 11))]
-    _, fp8 = logits_of(str(tmp_path / "fp8"), prompts)
-    _, plain = logits_of(plain_checkpoint(sources[blocks], str(tmp_path / "plain"), ref), prompts)
+    fp8 = logits_of(str(tmp_path / "fp8"), prompts)
+    plain = logits_of(plain_checkpoint(sources[blocks], str(tmp_path / "plain"), ref), prompts)
     assert torch.equal(fp8, plain)
     if blocks == "ragged":
         return
@@ -156,7 +152,6 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(sources, tmp_path, bloc
 
 
 def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(sources, tmp_path):
-    from ridge import LLM
     proj = "model.layers.0.mlp.down_proj"
     cases = [(lambda t: t.pop(f"{proj}.weight_scale_inv"), f"'{proj}.weight' has no '{proj}.weight_scale_inv'"),
              (lambda t: t.update({f"{proj}.weight_scale_inv": t[f"{proj}.weight_scale_inv"][:, :1].contiguous()}),
@@ -177,12 +172,6 @@ def test_ridge_quantize_fp8_writes_the_format_bit_for_bit(sources, tmp_path, cap
     """`ridge quantize --method fp8`: each checkpoint Linear (q, k and v apart, though ridge merges
     them) blocked on its own, the same bits as quantizing the source's tensors directly; the other
     files copied; ridge loads the result."""
-    import json
-    import os
-
-    from safetensors.torch import load_file
-
-    from ridge.cli import main
     src, out = sources["ragged"], str(tmp_path / "q")
     assert main(["quantize", "--model", src, "--out", out, "--method", "fp8", "--device", "cpu"]) == 0
     assert "HF fp8" in capsys.readouterr().out
@@ -196,7 +185,6 @@ def test_ridge_quantize_fp8_writes_the_format_bit_for_bit(sources, tmp_path, cap
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
     logits_of(out, [[5, 6, 7]])
     with pytest.raises(ValueError, match="ridge quantize starts from a float checkpoint"):
-        from ridge.quantize import quantize
         quantize(out, str(tmp_path / "again"), method="fp8", device="cpu", show_progress=False)
 
 
@@ -204,13 +192,8 @@ def test_ridge_quantize_fp8_writes_the_format_bit_for_bit(sources, tmp_path, cap
 def ct_fp8_checkpoint(src: str, dst: str, strategy: str, static_input: bool = False) -> dict:
     """src's projections compressed by compressed-tensors' own FloatQuantizationCompressor (scales
     amax / 448 per tensor, channel or 128 x 128 block); returns what its decompress gives back."""
-    import json
-    import os
-    import shutil
-
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
     block = [128, 128] if strategy == "block" else None
     args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, block_structure=block)
@@ -238,11 +221,7 @@ def ct_fp8_checkpoint(src: str, dst: str, strategy: str, static_input: bool = Fa
     qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                         "format": "float-quantized"}}, "ignore": ["lm_head"]}
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qc
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+    edit_config(dst, quantization_config=qc)
     return ref
 
 
@@ -250,12 +229,10 @@ def ct_fp8_checkpoint(src: str, dst: str, strategy: str, static_input: bool = Fa
 def test_compressed_tensors_float_quantized_loads_as_the_library_decompresses_it(sources, tmp_path, strategy,
                                                                                  static_input):
     pytest.importorskip("compressed_tensors")
-    from conftest import prompt_of
-    from test_int4_formats import plain_checkpoint
     ref = ct_fp8_checkpoint(sources["ragged"], str(tmp_path / "ct"), strategy, static_input)
     prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 11))]
-    _, fp8 = logits_of(str(tmp_path / "ct"), prompts)
-    _, plain = logits_of(plain_checkpoint(sources["ragged"], str(tmp_path / "plain"), ref), prompts)
+    fp8 = logits_of(str(tmp_path / "ct"), prompts)
+    plain = logits_of(plain_checkpoint(sources["ragged"], str(tmp_path / "plain"), ref), prompts)
     assert torch.equal(fp8, plain)
 
 
@@ -277,10 +254,6 @@ def test_compressed_tensors_fp8_configs_name_the_field():
 def test_weight_and_scale_in_different_shards(sources, tmp_path):
     """A weight's scales may come before it and from another shard (the reader holds whichever
     arrives first)."""
-    import json
-    import os
-
-    from safetensors.torch import load_file, save_file
     path = str(tmp_path / "sharded")
     fp8_checkpoint(sources["ragged"], path)
     tensors = load_file(os.path.join(path, "model.safetensors"))
@@ -294,4 +267,4 @@ def test_weight_and_scale_in_different_shards(sources, tmp_path):
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
     fp8_checkpoint(sources["ragged"], str(tmp_path / "whole"))
-    assert torch.equal(logits_of(path, [[5, 6, 7]])[1], logits_of(str(tmp_path / "whole"), [[5, 6, 7]])[1])
+    assert torch.equal(logits_of(path, [[5, 6, 7]]), logits_of(str(tmp_path / "whole"), [[5, 6, 7]]))
