@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ridge.kernels.rounding import emulate_rne, round_to
 from ridge.kernels.tiles import grouped_tile
@@ -57,7 +58,7 @@ def quantize_act_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _quantize_act_kernel(X, Q, S, K, stride_xm, stride_qm, KB: tl.constexpr, G: tl.constexpr,
+def _quantize_act_kernel(X, Q, S, M, K, stride_xm, stride_qm, G: tl.constexpr,
                          EMULATE_RNE: tl.constexpr):
     row = tl.program_id(0)
     kb = tl.program_id(1)
@@ -67,20 +68,22 @@ def _quantize_act_kernel(X, Q, S, K, stride_xm, stride_qm, KB: tl.constexpr, G: 
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
     q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
     tl.store(Q + row * stride_qm + offs, round_to(q, tl.float8e4nv, EMULATE_RNE), mask=ok)
-    tl.store(S + row * KB + kb, scale)
+    tl.store(S + kb * M + row, scale)                        # M-major: the GEMM's loads are coalesced
 
 
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_act_fp8_ref as one Triton pass (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
+    """quantize_act_fp8_ref as one Triton pass (CUDA tensors, or CPU under TRITON_INTERPRET=1). The
+    scales come M-major (a [K / 128, M] buffer seen as [M, K / 128]), the layout DeepGEMM and
+    cuBLAS's block-scaled GEMM read: one K block's scales for a tile of tokens are contiguous."""
     if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"quantize_act_fp8: x must be a 2-D float tensor with contiguous rows, got "
                          f"{x.dtype} {tuple(x.shape)}")
     m, k = x.shape
     kb = triton.cdiv(k, GROUP)
     q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    s = torch.empty((kb, m), dtype=torch.float32, device=x.device).t()
     if m and k:
-        _quantize_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), KB=kb, G=GROUP,
+        _quantize_act_kernel[(m, kb)](x, q, s, m, k, x.stride(0), q.stride(0), G=GROUP,
                                       EMULATE_RNE=emulate_rne(x))
     return q, s
 
@@ -101,19 +104,29 @@ def fp8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_sc
 
 
 @triton.jit
-def _fp8_gemm_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _promoted_block(x, w_t, XS, WS, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk, KB: tl.constexpr):
+    """One K block's exact fp32 partial sum, scaled by the token's and the weight block's scale."""
+    part = tl.dot(x, w_t)
+    xs = tl.load(XS + offs_m * stride_xsm + kb * stride_xsk, mask=m_ok, other=0.0)
+    ws = tl.load(WS + (offs_n // 128) * KB + kb, mask=n_ok, other=0.0)
+    return part * xs[:, None] * ws[None, :]
+
+
+@triton.jit
+def _fp8_gemm_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_xsm, stride_xsk,
                      KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, EMULATE_RNE: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """One output tile per program (pointer loads); with SPLIT_K > 1 program (tile, s) sums every
+    SPLIT_K-th K block into an fp32 Y with atomics (small M: more programs than tiles)."""
     BK: tl.constexpr = 128
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(0, KB):
+    for kb in tl.range(tl.program_id(1), KB, SPLIT_K):
         k = kb * BK + offs_k
         if EVEN_K:
             x_mask = m_ok[:, None]
@@ -123,19 +136,51 @@ def _fp8_gemm_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             w_mask = n_ok[None, :] & (k < K)[:, None]
         x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
         w = tl.load(W + offs_n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)     # [BK, BN]
-        part = tl.dot(x, w)                                        # exact to fp32 within the block
-        xs = tl.load(XS + offs_m * KB + kb, mask=m_ok, other=0.0)
-        ws = tl.load(WS + (offs_n // BK) * KB + kb, mask=n_ok, other=0.0)
-        acc += part * xs[:, None] * ws[None, :]                    # promotion, once per K block
+        acc += _promoted_block(x, w, XS, WS, offs_m, offs_n, m_ok, n_ok, kb, stride_xsm, stride_xsk, KB)
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(acc, Y.dtype.element_ty, EMULATE_RNE), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, round_to(acc, Y.dtype.element_ty, EMULATE_RNE), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(x_desc, XS, w_desc, WS, y_desc, M, N, stride_xsm, stride_xsk, KB: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+                         EMULATE_RNE: tl.constexpr):
+    """Persistent: PROGRAMS programs (one per SM) walk the tiles in grouped raster order; x and W
+    blocks arrive by TMA (the copy engine fills shared memory, out-of-bounds rows and the K tail
+    as zeros), and the finished tile leaves by TMA."""
+    BK: tl.constexpr = 128
+    tile = tl.program_id(0)
+    while tile < tl.cdiv(M, BM) * tl.cdiv(N, BN):
+        pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(KB):
+            x = x_desc.load([pid_m * BM, kb * BK])
+            w = w_desc.load([pid_n * BN, kb * BK])                                          # [BN, BK]
+            acc += _promoted_block(x, w.T, XS, WS, offs_m, offs_n, offs_m < M, offs_n < N, kb,
+                                   stride_xsm, stride_xsk, KB)
+        y_desc.store([pid_m * BM, pid_n * BN], round_to(acc, y_desc.dtype, EMULATE_RNE))
+        tile += PROGRAMS
+
+
+def _programs(device: torch.device) -> int:
+    """A persistent grid's size: one program per SM (the interpreter: a few)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, block_m: int = 128, block_n: int = 128,
-             num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
-    """y [M, N] = the block-scaled product (fp8_gemm_ref's), in out_dtype. Tile sizes are arguments
-    until a GPU sweep picks them per shape; block_n must divide 128 (a weight scale block)."""
+             num_warps: int = 8, num_stages: int = 3, split_k: int = 1, tma: bool = False) -> torch.Tensor:
+    """y [M, N] = the block-scaled product (fp8_gemm_ref's), in out_dtype. The tile config is an
+    argument (the benchmark sweeps it per shape): tma=True runs the persistent TMA kernel (needs
+    K % 16 == 0 and N % 8 == 0, TMA's 16-byte row alignment), split_k > 1 splits the K blocks
+    over programs that add into an fp32 result."""
     if xq.dtype != FP8 or wq.dtype != FP8 or xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
         raise ValueError(f"fp8_gemm: x and w must be float8_e4m3fn [M, K] and [N, K], got {xq.dtype} "
                          f"{tuple(xq.shape)} and {wq.dtype} {tuple(wq.shape)}")
@@ -144,14 +189,28 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
     for name, t, shape in (("x_scale", x_scale, (m, kb)), ("w_scale", w_scale, (triton.cdiv(n, GROUP), kb))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape:
             raise ValueError(f"fp8_gemm: {name} must be float32 {list(shape)}, got {t.dtype} {tuple(t.shape)}")
-    if GROUP % block_n or xq.stride(1) != 1 or wq.stride(1) != 1:
-        raise ValueError("fp8_gemm: block_n must divide 128, and x and w need contiguous rows")
-    x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
-    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    if m and n:
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        _fp8_gemm_kernel[grid](xq, x_scale, wq, w_scale, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
-                               KB=kb, BM=block_m, BN=block_n, GROUP_M=8, EVEN_K=k % GROUP == 0,
-                               EMULATE_RNE=emulate_rne(xq),
-                               num_warps=num_warps, num_stages=num_stages)
-    return y
+    if xq.stride(1) != 1 or wq.stride(1) != 1:
+        raise ValueError("fp8_gemm: x and w need contiguous rows")
+    if tma and (k % 16 or n % 8 or split_k != 1 or xq.stride(0) != k or wq.stride(0) != k):
+        raise ValueError(f"fp8_gemm: the TMA kernel needs K % 16 == 0, N % 8 == 0, packed rows and split_k=1 "
+                         f"(got K={k}, N={n}, split_k={split_k})")
+    w_scale = w_scale.contiguous()
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    common = dict(KB=kb, BM=block_m, BN=block_n, GROUP_M=8, EMULATE_RNE=emulate_rne(xq),
+                  num_warps=num_warps, num_stages=num_stages)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if tma:
+        y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+        programs = min(tiles, _programs(xq.device))
+        _fp8_gemm_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(xq, [block_m, GROUP]), x_scale,
+            TensorDescriptor.from_tensor(wq, [block_n, GROUP]), w_scale,
+            TensorDescriptor.from_tensor(y, [block_m, block_n]), m, n, *x_scale.stride(), PROGRAMS=programs, **common)
+        return y
+    y = (torch.zeros if split_k > 1 else torch.empty)((m, n), device=xq.device,
+                                                      dtype=torch.float32 if split_k > 1 else out_dtype)
+    _fp8_gemm_kernel[(tiles, split_k)](xq, x_scale, wq, w_scale, y, m, n, k, xq.stride(0), wq.stride(0),
+                                       y.stride(0), *x_scale.stride(), SPLIT_K=split_k, EVEN_K=k % GROUP == 0,
+                                       **common)
+    return y.to(out_dtype)
