@@ -24,6 +24,13 @@
 #                  and 64 -> roofline_int4.{md,json}
 #   int4-quality   the INT4 quality contract on the demo model: ridge quantize --method rtn and awq, then
 #                  ridge eval-ppl of bf16, RTN and AWQ (--compare bf16: KL) -> int4_quality.json
+#   fp8-attn       benchmarks/attention.py --only decode --kv-cache-dtype both: decode attention over an FP8
+#                  cache vs bf16 at the issue's shapes (B=32 L=4k, B=128 L=2k) -> attention_fp8.json
+#   fp8-quality    the FP8 quality contract on the demo model: ridge eval-ppl (bf16; --compare bf16: KL) of FP8
+#                  weights, FP8 KV, FP8 KV + Hadamard -> fp8_quality.json
+#   fp8-e2e        the 8B shape (config only, dummy weights): TTFT of a 4096-token prompt, bf16 vs
+#                  --quantization fp8 (its GEMM dispatch timed at load, cached); decode b1/b64 -> lat_fp8_*.json
+#   fp8-roofline   ridge roofline on the 8B shape with --quantization fp8 --kv-cache-dtype fp8 -> roofline_fp8.{md,json}
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
 #                  .whl/, carried, installed to /tmp/site when present)
@@ -38,7 +45,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,serve-load
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-roofline,serve-load
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py"}
@@ -131,6 +138,25 @@ part int4-quality 300 500 "for m in rtn awq; do python3 -m ridge quantize --mode
     --json /tmp/ppl_\$m.json 2>&1 | tail -2; done && \
   python3 -c 'import json, sys; json.dump({m: json.load(open(f\"/tmp/ppl_{m}.json\")) for m in (\"bf16\", \"rtn\", \"awq\")}, \
     open(sys.argv[1], \"w\"), indent=2)' $OUT/int4_quality.json"
+part fp8-attn 40 200 "python3 benchmarks/attention.py --only decode --kv-cache-dtype both --json $OUT/attention_fp8.json \
+  2>&1 | tail -${ATTN_TAIL:-30}"
+part fp8-quality 150 450 "python3 -m ridge eval-ppl --model $DEMO --dtype bfloat16 --json /tmp/fq_bf16.json 2>&1 | tail -1 && \
+  for q in 'w --quantization fp8' 'kv --kv-cache-dtype fp8' 'kvh --kv-cache-dtype fp8 --kv-cache-hadamard'; do \
+    set -- \$q; n=\$1; shift; python3 -m ridge eval-ppl --model $DEMO --dtype bfloat16 \"\$@\" --compare $DEMO \
+      --json /tmp/fq_\$n.json 2>&1 | tail -1 | sed \"s/^/\$n  /\"; done && \
+  python3 -c 'import json, sys; json.dump({m: json.load(open(f\"/tmp/fq_{m}.json\")) for m in (\"bf16\", \"w\", \"kv\", \"kvh\")}, \
+    open(sys.argv[1], \"w\"), indent=2)' $OUT/fp8_quality.json"
+part fp8-e2e 150 540 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  for q in bf16 fp8; do python3 -m ridge bench latency --model $CFG8B --load-format dummy \
+      \$( [ \$q = fp8 ] && echo --quantization fp8 ) --batch-size 1 --input-len 4096 --output-len 4 \
+      --max-num-batched-tokens 4096 --no-progress --json $OUT/lat_\${q}_ttft.json 2>&1 | grep -E 'TTFT' | sed \"s/^/\$q  /\"; done && \
+  for b in ${FP8_E2E_BATCHES:-1 64}; do python3 -m ridge bench latency --model $CFG8B --load-format dummy --quantization fp8 \
+      --batch-size \$b --input-len 128 --output-len 128 --no-progress --json $OUT/lat_fp8_b\$b.json 2>&1 \
+      | grep -E 'decode tokens/s' | sed \"s/^/fp8 b=\$b  /\"; done"
+part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --batch 1 64 \
+    --context 2048 --prefill-len 4096 --out /tmp/roofline-fp8 2>&1 | grep -v -i warn | tail -40 && \
+  cp /tmp/roofline-fp8/report.md $OUT/roofline_fp8.md && cp /tmp/roofline-fp8/report.json $OUT/roofline_fp8.json"
 part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"
 
 {

@@ -213,10 +213,19 @@ class EngineConfig:
                                help="auto: read the checkpoint's safetensors; dummy: random weights from --seed, "
                                     "nothing read (for benchmarks)")
     quantization: str | None = setting(
-        None, choices=("awq", "gptq", "compressed-tensors", "int4"),
+        None, choices=("awq", "gptq", "compressed-tensors", "int4", "fp8"),
         help="INT4 weights (W4A16): awq, gptq or compressed-tensors name the format a quantized checkpoint must be "
-             "in; int4 quantizes a float checkpoint at load (round to nearest, group 128)",
+             "in; int4 quantizes a float checkpoint at load (round to nearest, group 128). fp8: block-scaled W8A8 "
+             "(e4m3, 128 x 128 weight blocks, activations per token and 128 channels), quantized at load from a "
+             "float or HF fp8 checkpoint",
         default_text="the checkpoint's: config.json's quantization_config, else none")
+    kv_cache_dtype: str = setting(
+        "auto", choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV-cache storage: auto keeps the model dtype; fp8 (= fp8_e4m3) stores e4m3 with a power-of-two scale "
+             "per token and kv head, twice the pages in the same memory")
+    kv_cache_hadamard: bool = setting(
+        False, help="with --kv-cache-dtype fp8: rotate q and k by a random-sign Hadamard matrix before k is "
+                    "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):
@@ -227,6 +236,13 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization: give it or kv_cache_memory, not both "
                              f"(got {self.gpu_memory_utilization} and {self.kv_cache_memory} bytes)")
+        if self.kv_cache_hadamard and not self.fp8_kv_cache:
+            raise ValueError("kv_cache_hadamard: rotates keys before FP8 quantization; it needs kv_cache_dtype='fp8' "
+                             f"(got {self.kv_cache_dtype!r})")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -49,7 +49,7 @@ def apply_rotary(positions, q, k, cos, sin, q_out=None, k_out=None):
     """The rotation alone: the engine's rope_write_kv with every slot negative (nothing cached)."""
     cache = torch.empty(1, 1, *k.shape[1:], dtype=k.dtype, device=k.device)
     slots = torch.full((k.shape[0],), -1, dtype=torch.int64, device=k.device)
-    return rope_write_kv(positions, q, k, k, cos, sin, cache, cache, slots, q_out=q_out, k_out=k_out)
+    return rope_write_kv(positions, q, k, k, cos, sin, cache, cache, slots, q_out=q_out, k_out=k_out)[:2]
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,8 @@ def check_fused(q, k, v, positions, slots, caches, rope, what):
     exact in fp32); untouched slots stay poisoned. Returns the fused (q_out, k_out, k_cache, v_cache)."""
     KVH, D = k.shape[1:]
     kc1, vc1 = (c.clone() for c in caches)
-    q1, k1 = rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc1, vc1, slots)
+    q1, k1, v1 = rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc1, vc1, slots)
+    assert v1 is v                              # a 16/32-bit cache: attention reads v itself
     # the peer: the kernel's rotation alone, then the reference cache write (a copy)
     kc2, vc2 = (c.clone() for c in caches)
     q2, k2 = apply_rotary(positions, q, k, rope.cos, rope.sin)
@@ -83,8 +84,8 @@ def check_fused(q, k, v, positions, slots, caches, rope, what):
     real = slots >= 0
     ref_q, ref_k = apply_rotary_ref(positions, q, k, rope.cos, rope.sin)
     kc3, vc3 = (c.clone() for c in caches)
-    q3, k3 = rope_write_kv_ref(positions[real], q[real], k[real], v[real], rope.cos, rope.sin, kc3, vc3,
-                               slots[real])
+    q3, k3, _ = rope_write_kv_ref(positions[real], q[real], k[real], v[real], rope.cos, rope.sin, kc3, vc3,
+                                  slots[real])
     written = torch.zeros(caches[0].shape[0] * PAGE, dtype=torch.bool, device=slots.device)
     written[slots[real]] = True
     for kc, vc, kr in ((kc1, vc1, k1[real]), (kc3, vc3, k3)):
@@ -167,9 +168,9 @@ def test_attention_layer_rotates_through_its_backend():
         seen["rotated"] = rope_write_kv_ref(*args)
         return seen["rotated"]
 
-    def spy_attend(q, k, v, k_cache, v_cache, meta, scale, window):
+    def spy_attend(q, k, v, k_cache, v_cache, meta, scale, window, kv_scales):
         seen["attend"] = (q, k, v)
-        return TORCH_BACKEND.attend(q, k, v, k_cache, v_cache, meta, scale, window)
+        return TORCH_BACKEND.attend(q, k, v, k_cache, v_cache, meta, scale, window, kv_scales)
 
     backend = dataclasses.replace(TORCH_BACKEND, rope_write_kv=spy_rope_write_kv, attend=spy_attend)
     layer = Attention(4, 2, 64, None, backend, rope)

@@ -189,7 +189,7 @@ def decode_utilization(engine, steps, with_flops: bool) -> dict:
     costs, seconds = [], 0.0
     for rec, t in steps:
         shape = StepShape(rec.query_lens, rec.context_lens, num_sampled=rec.num_sampled, greedy=rec.greedy,
-                          dtype=dtype)
+                          dtype=dtype, kv_bytes=engine.runner.kv_element_bytes())
         costs += step_costs(model, shape)
         seconds += t
     compute = matrix_compute(shape)

@@ -10,30 +10,76 @@ The batch is flat: sequence i owns query rows `query_start_loc[i]:query_start_lo
 are the *last* q_len tokens of its `seq_lens[i]` context tokens (earlier ones are already in the
 cache: a prefix-cache hit, an earlier prefill chunk or earlier decode steps). A decode row is the
 case q_len == 1; prefill chunks and decodes share one batch.
+
+An FP8 cache (ridge/kernels/kv_fp8.py) is the same layout in float8_e4m3fn plus `kv_scales` =
+(k_scale, v_scale), uint8 [num_pages, page_size, num_kv_heads]: one e8m0 byte per row, at the same
+(page, offset, head) index as the row it scales. Every function here takes kv_scales=None and
+requires it exactly when the caches are FP8.
 """
 from __future__ import annotations
 
 import torch
 
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.kv_fp8 import SCALE_DTYPE, dequantize_rows_ref, is_fp8_cache, quantize_rows_ref
+
+KVScales = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_scales: KVScales | None) -> KVScales | None:
+    """kv_scales if the caches are FP8 (validated), None if they are not; ValueError otherwise."""
+    fp8 = is_fp8_cache(k_cache), is_fp8_cache(v_cache)
+    if fp8[0] != fp8[1]:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
+    if not fp8[0]:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales given for a {k_cache.dtype} cache: only an FP8 cache has scales")
+        return None
+    if kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales=(k_scale, v_scale), uint8 [pages, page, kv_heads]")
+    if len(kv_scales) != 2:
+        raise ValueError(f"kv_scales must be the pair (k_scale, v_scale), got {len(kv_scales)} tensors")
+    for name, s, cache in zip(("k_scale", "v_scale"), kv_scales, (k_cache, v_cache)):
+        if s.dtype != SCALE_DTYPE:
+            raise ValueError(f"{name} must be uint8 (e8m0 scale bytes), got {s.dtype}")
+        if s.shape != cache.shape[:3]:
+            raise ValueError(f"{name} shape {tuple(s.shape)} must be the cache's [pages, page, kv_heads] "
+                             f"{tuple(cache.shape[:3])}")
+        if s.device != cache.device:
+            raise ValueError(f"{name} is on {s.device}, the cache on {cache.device}")
+    return kv_scales[0], kv_scales[1]
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' K/V rows ([T, kvh, d]) into their cache slots."""
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+    """Scatter the new tokens' K/V rows ([T, kvh, d]) into their cache slots; into an FP8 cache,
+    each row's e4m3 values and its scale byte (quantize_rows_ref)."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    scales = check_kv_scales(k_cache, v_cache, kv_scales)
+    if scales is None:
+        k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    page = k_cache.shape[1]
+    pages, offsets = slot_mapping // page, slot_mapping % page   # any scale strides, no view needed
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        rows, scale_bytes = quantize_rows_ref(x)
+        # as bytes: torch's CPU index_copy_ has no float8 kernel, and a byte copy is exact
+        cache.view(torch.uint8).view(-1, kvh, d).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+        scale[pages, offsets] = scale_bytes
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None,
+                        kv_scales: KVScales | None = None) -> torch.Tensor:
     """Causal attention of q ([T, H, d]) over each sequence's paged context; returns [T, H, d].
 
-    Gathers each sequence's pages, then a masked softmax in float32. Quadratic memory per
-    sequence: this is the readable reference, not the fast path.
+    Gathers each sequence's pages (an FP8 cache's dequantized to float32), then a masked softmax
+    in float32. Quadratic memory per sequence: this is the readable reference, not the fast path.
     """
+    scales = check_kv_scales(k_cache, v_cache, kv_scales)
     num_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -46,8 +92,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         n_pages = (ctx_len + page_size - 1) // page_size
         pages = meta.page_tables[i, :n_pages].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        k, v = k_cache[pages], v_cache[pages]
+        if scales is not None:
+            k = dequantize_rows_ref(k, scales[0][pages], torch.float32)
+            v = dequantize_rows_ref(v, scales[1][pages], torch.float32)
+        k = k.reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        v = v.reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         # GQA: query head h reads kv head h // group.
         k = k.float().repeat_interleave(group, dim=1)          # [ctx, H, d]
         v = v.float().repeat_interleave(group, dim=1)

@@ -11,6 +11,12 @@ Two choices make the kernel stream at HBM speed:
   8 kv heads = 8 programs). Each sequence's context is cut into num_splits ranges handled by
   independent programs, each writing a partial (normalised) output plus its log-sum-exp; a
   small second kernel merges the splits with the usual rescale-by-exp(lse - max) rule.
+
+With an FP8 cache (ridge/kernels/kv_fp8.py) each K/V tile is read as e4m3 plus one scale byte
+per key, head_dim + 1 bytes per row instead of 2 * head_dim: the step's dominant traffic halves.
+The tile is dequantized in registers to q's dtype (exact: e4m3 x 2^e fits bf16) before the dots,
+so the tensor-core math and the softmax are the bf16 path's. FP8 is a constexpr: the bf16 kernel
+compiles without a trace of it.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.attention_ref import KVScales, check_kv_scales
+from ridge.kernels.kv_fp8 import dequantize_tile, scale_from_bytes
+_EXP = {"FOLD": 0, "WORDS": 0, "WIDE": 0}
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
 
@@ -37,7 +46,23 @@ def _configs() -> list[triton.Config]:
     # The set is the autotuner's measured picks and their neighbours (BENCHMARKS.md): compile
     # time per config is paid per tuning bucket while capturing decode graphs, so it stays small.
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4))]
+            for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3))]
+
+
+def _prune(configs, named_args, **kwargs):
+    wide = {**named_args, **kwargs}["WIDE"]
+    return [c for c in configs if (c.kwargs["BLOCK_N"] == 128) <= bool(wide)] or configs[:1]
+
+
+@triton.jit
+def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, kv_head, stride_ksb, stride_kst, stride_ksh,
+                 stride_vsb, stride_vst, stride_vsh, PAGE: tl.constexpr):
+    k_ok = k_idx < end
+    page = tl.load(bt_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
+    row = (k_idx % PAGE).to(tl.int64)
+    ks = tl.load(K_scale + kv_head * stride_ksh + page * stride_ksb + row * stride_kst, mask=k_ok, other=0)
+    vs = tl.load(V_scale + kv_head * stride_vsh + page * stride_vsb + row * stride_vst, mask=k_ok, other=0)
+    return ks, vs
 
 
 # The best pipeline depth and tile depend on how much each program streams and on how many
@@ -47,16 +72,20 @@ def _configs() -> list[triton.Config]:
 # would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
 # the compiles that decode-graph capture pays. The picks are kept in Triton's cache beside the
 # compiled kernels (cache_results), so a warm start replays them instead of timing every config.
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "work_bucket", "grid_bucket"],
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "FP8", "FOLD", "WORDS", "WIDE", "work_bucket", "grid_bucket"],
+                 prune_configs_by={"early_config_prune": _prune},
                  cache_results=True)
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
-def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc, seq_lens,
-                         qk_scale, window, num_splits, work_bucket, grid_bucket,
+def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_tables, query_start_loc,
+                         seq_lens, qk_scale, window, num_splits, work_bucket, grid_bucket,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                         stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr):
+                         FP8: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,6 +112,8 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
     h_ok = offs_h < GROUP
     q = tl.load(Q + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None], other=0.0)
+    if FP8 and FOLD == 2:
+        q = q.to(tl.float16)
     bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
@@ -90,6 +121,9 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if FP8 and WORDS == 2:
+        ks_n, vs_n = _tile_scales(K_scale, V_scale, bt_row, start + offs_n, end, kv_head, stride_ksb, stride_kst,
+                                  stride_ksh, stride_vsb, stride_vst, stride_vsh, PAGE)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
         k_ok = k_idx < end
@@ -101,13 +135,44 @@ def _decode_split_kernel(Q, K, V, Out, O_part, Lse, page_tables, query_start_loc
                     mask=k_ok[:, None], other=0.0)
         v = tl.load(V_h + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
                     mask=k_ok[:, None], other=0.0)
+        if FP8:  # one scale byte per key: [BLOCK_N] bytes beside the [BLOCK_N, d] e4m3 tile
+            if WORDS == 2:
+                ks = ks_n
+                vs = vs_n
+                ks_n, vs_n = _tile_scales(K_scale, V_scale, bt_row, k_idx + BLOCK_N, end, kv_head, stride_ksb,
+                                          stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, PAGE)
+            elif WORDS:
+                kw = tl.load((K_scale + (kv_head // 4) * 4 + page * stride_ksb + row * stride_kst).to(tl.pointer_type(tl.int32)),
+                             mask=k_ok, other=0)
+                vw = tl.load((V_scale + (kv_head // 4) * 4 + page * stride_vsb + row * stride_vst).to(tl.pointer_type(tl.int32)),
+                             mask=k_ok, other=0)
+                ks = (kw >> ((kv_head % 4) * 8)) & 0xFF
+                vs = (vw >> ((kv_head % 4) * 8)) & 0xFF
+            else:
+                ks = tl.load(K_scale + kv_head * stride_ksh + page * stride_ksb + row * stride_kst,
+                             mask=k_ok, other=0)
+                vs = tl.load(V_scale + kv_head * stride_vsh + page * stride_vsb + row * stride_vst,
+                             mask=k_ok, other=0)
+            if FOLD == 2:
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+            elif FOLD:
+                k = k.to(Q.dtype.element_ty)
+                v = v.to(Q.dtype.element_ty)
+            else:
+                k = dequantize_tile(k, ks, Q.dtype.element_ty)
+                v = dequantize_tile(v, vs, Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
+        if FP8 and FOLD:
+            qk = qk * scale_from_bytes(ks)[None, :]
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile may be fully masked
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8 and FOLD:
+            p = p * scale_from_bytes(vs)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -183,8 +248,10 @@ def _tuning_buckets(keys_per_program: int, programs: int, device: torch.device) 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                      out: torch.Tensor | None = None, num_splits: int | None = None,
-                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (q [B, H, d], meta.max_query_len <= 1).
+    An FP8 cache needs kv_scales = (k_scale, v_scale) (attention_ref.py's layout).
 
     `workspace` = (o_part float32 with >= B*H*num_splits*d elements, lse float32 with >=
     B*H*num_splits elements) lets a caller (e.g. a CUDA graph) preallocate the split buffers.
@@ -192,6 +259,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.max_query_len > 1:
         raise ValueError("decode_attention needs max_query_len <= 1; use prefill_attention")
     _check_inputs(q, k_cache, sliding_window)
+    scales = check_kv_scales(k_cache, v_cache, kv_scales)
     q = _last_dim_contiguous(q)
     k_cache, v_cache = _last_dim_contiguous(k_cache), _last_dim_contiguous(v_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -215,15 +283,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty(n_part, dtype=torch.float32, device=q.device)
     bt = meta.page_tables
     pdl = use_pdl(q)
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # placeholders, never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
+        q, k_cache, v_cache, ks, vs, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
         scale * _LOG2E, sliding_window or 0, num_splits,
         *_tuning_buckets(triton.cdiv(seq_span, num_splits), batch * num_kv_heads * num_splits, q.device),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+        *ks.stride()[:3], *vs.stride()[:3],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        SLIDING=sliding_window is not None, DIRECT=num_splits == 1,
+        SLIDING=sliding_window is not None, DIRECT=num_splits == 1, FP8=scales is not None,
+        FOLD=_EXP["FOLD"], WORDS=_EXP["WORDS"], WIDE=_EXP["WIDE"],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, **launch_options(pdl))
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](

@@ -214,3 +214,23 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
                                        y.stride(0), *x_scale.stride(), SPLIT_K=split_k, EVEN_K=k % GROUP == 0,
                                        **common)
     return y.to(out_dtype)
+
+
+def cublas_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same block-scaled product by cuBLAS (torch._scaled_mm with 1 x 128 activation and
+    128 x 128 weight scales; CUDA >= 12.9 on Hopper). cuBLAS reads the activation scales M-major
+    (quantize_act_fp8's layout) for a token count that is a multiple of 4, and the weight's as
+    [K / 128, N / 128]: x is zero-padded to whole groups of four rows here (the padding rows'
+    output is dropped). Raises RuntimeError where this torch or GPU has no such path."""
+    m = xq.shape[0]
+    pad = -m % 4
+    if pad:
+        xq = torch.cat((xq, torch.zeros((pad, xq.shape[1]), dtype=xq.dtype, device=xq.device)))
+        padded = torch.ones((x_scale.shape[1], m + pad), dtype=torch.float32, device=x_scale.device)
+        padded[:, :m] = x_scale.t()
+        x_scale = padded.t()
+    elif x_scale.stride(0) != 1:
+        x_scale = x_scale.t().contiguous().t()
+    y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+    return y[:m] if pad else y

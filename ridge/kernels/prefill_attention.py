@@ -17,6 +17,11 @@ A chunk's context has two parts, read two ways:
 Prefix tiles are always fully visible (only a sliding window or the last partial tile masks
 them). For the chunk's own keys, tiles entirely left of the diagonal run in a mask-free loop,
 the tiles straddling it in a second, masked loop, and tiles right of it are never visited.
+
+An FP8 cache (ridge/kernels/kv_fp8.py) changes only the first kind: the gathered e4m3 rows and
+their scale bytes are dequantized in registers to q's dtype (FP8 is a constexpr, so the bf16
+kernel is unchanged). The chunk's own k, v arrive already dequantized from the KV-write kernel,
+so the TMA path reads them as before.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.attention_ref import KVScales, check_kv_scales
+from ridge.kernels.kv_fp8 import dequantize_tile
 
 _INTERPRET = triton.knobs.runtime.interpret
 _LOG2E = 1.4426950408889634
@@ -111,9 +118,12 @@ def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, key_end, win
 
 
 @triton.jit
-def _gather_pages(K, V, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-                  key_end, PAGE: tl.constexpr, LIMIT: tl.constexpr):
-    """K/V rows of cached keys `key_pos`: key k lives at row k % PAGE of page bt[k // PAGE]."""
+def _gather_pages(K, V, K_s, V_s, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+                  stride_ksb, stride_kst, stride_vsb, stride_vst, key_end, PAGE: tl.constexpr,
+                  LIMIT: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """K/V rows of cached keys `key_pos`: key k lives at row k % PAGE of page bt[k // PAGE].
+    With FP8, K_s/V_s are the scale bytes of the same rows (same page and row index, one byte
+    per row), and the rows come back dequantized to DTYPE."""
     if LIMIT:
         k_ok = key_pos < key_end
         page = tl.load(bt_row + key_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -122,10 +132,21 @@ def _gather_pages(K, V, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb
     row = (key_pos % PAGE).to(tl.int64)
     k_ptrs = K + page[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = V + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
+    ks_ptrs = K_s + page * stride_ksb + row * stride_kst
+    vs_ptrs = V_s + page * stride_vsb + row * stride_vst
     if LIMIT:
-        return (tl.load(k_ptrs, mask=k_ok[:, None], other=0.0),
-                tl.load(v_ptrs, mask=k_ok[:, None], other=0.0))
-    return tl.load(k_ptrs), tl.load(v_ptrs)
+        k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8:
+            k = dequantize_tile(k, tl.load(ks_ptrs, mask=k_ok, other=0), DTYPE)
+            v = dequantize_tile(v, tl.load(vs_ptrs, mask=k_ok, other=0), DTYPE)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+        if FP8:
+            k = dequantize_tile(k, tl.load(ks_ptrs), DTYPE)
+            v = dequantize_tile(v, tl.load(vs_ptrs), DTYPE)
+    return k, v
 
 
 @triton.jit
@@ -139,16 +160,17 @@ def _head_rows(base, first_row, head_offset, stride_t, num_rows, BLOCK: tl.const
 
 
 # cache_results: a warm start reads the pick from Triton's cache instead of timing the configs again
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING"],
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGE", "SLIDING", "FP8"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit
-def _prefill_kernel(Q, K_new, V_new, K, V, Out, page_tables, query_start_loc, seq_lens,
-                    qk_scale, window,
+def _prefill_kernel(Q, K_new, V_new, K, V, K_scale, V_scale, Out, page_tables, query_start_loc,
+                    seq_lens, qk_scale, window,
                     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                     stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                    SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                    SLIDING: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -184,20 +206,24 @@ def _prefill_kernel(Q, K_new, V_new, K, V, Out, page_tables, query_start_loc, se
     bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
+    Ks_h = K_scale + kv_head * stride_ksh
+    Vs_h = V_scale + kv_head * stride_vsh
     lo = 0
     if SLIDING:  # tiles entirely left of every row's window are skipped
         lo = tl.maximum(prefix + first_q - window + 1, 0) // BLOCK_N * BLOCK_N
     full_end = prefix // BLOCK_N * BLOCK_N
     for start_n in range(lo, full_end, BLOCK_N):
         key_pos = start_n + offs_n
-        k, v = _gather_pages(K_h, V_h, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb,
-                             stride_vt, prefix, PAGE, False)
+        k, v = _gather_pages(K_h, V_h, Ks_h, Vs_h, bt_row, key_pos, offs_d, stride_kb, stride_kt,
+                             stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                             prefix, PAGE, False, FP8, Q.dtype.element_ty)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, prefix,
                                       window, False, False, SLIDING, PRECISION)
     if full_end < prefix and full_end >= lo:  # the prefix's last, partial tile
         key_pos = full_end + offs_n
-        k, v = _gather_pages(K_h, V_h, bt_row, key_pos, offs_d, stride_kb, stride_kt, stride_vb,
-                             stride_vt, prefix, PAGE, True)
+        k, v = _gather_pages(K_h, V_h, Ks_h, Vs_h, bt_row, key_pos, offs_d, stride_kb, stride_kt,
+                             stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                             prefix, PAGE, True, FP8, Q.dtype.element_ty)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, prefix,
                                       window, False, True, SLIDING, PRECISION)
 
@@ -254,14 +280,17 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, out: torch.Tensor | None = None,
+                      kv_scales: KVScales | None = None) -> torch.Tensor:
     """Causal attention of q ([T, H, d]) over each sequence's context; returns [T, H, d].
 
     k, v ([T, kvh, d]) are the batch's new keys/values (also already written to the cache); the
     positions before them come from the cache pages. Handles any mix of chunk lengths (q_len 1
-    decode rows included) and cached prefixes.
+    decode rows included) and cached prefixes. An FP8 cache needs kv_scales = (k_scale, v_scale)
+    (attention_ref.py's layout); k, v are then the dequantized values the cache holds, in q's dtype.
     """
     _check_inputs(q, k_cache, sliding_window)
+    scales = check_kv_scales(k_cache, v_cache, kv_scales)
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)} "
                          f"and cache {tuple(k_cache.shape)}")
@@ -278,15 +307,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     # The allocator lives in a context variable: set it on every call, from whatever thread runs.
     triton.set_allocator(_descriptor_scratch)
     grid = lambda META: (triton.cdiv(meta.max_query_len, META["BLOCK_M"]), num_heads, meta.num_seqs)
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # placeholders, never read
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, out, bt, meta.query_start_loc, meta.seq_lens,
+        q, k, v, k_cache, v_cache, ks, vs, out, bt, meta.query_start_loc, meta.seq_lens,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+        *ks.stride()[:3], *vs.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        SLIDING=sliding_window is not None, PRECISION=precision)
+        SLIDING=sliding_window is not None, FP8=scales is not None, PRECISION=precision)
     if out is not result:
         result.copy_(out)
     return result

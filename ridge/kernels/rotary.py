@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_ref import write_kv_ref
+from ridge.kernels.kv_fp8 import (check_kv_scales, dequantize_rows_ref, inverse_scale_from_bytes,
+                                  quantize_rows_ref, scale_bytes_from_amax, scale_from_bytes)
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 
@@ -67,14 +69,27 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def rotate_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [..., d] @ the Hadamard rotation whose +-1 matrix is `signs` [d, d], then / sqrt(d):
+    fp32 products of exact +-1 entries, rounded once to x's dtype (kv_fp8.hadamard_rotation)."""
+    return ((x.float() @ signs.float()) * x.shape[-1] ** -0.5).to(x.dtype)
+
+
 def rope_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_table: torch.Tensor, sin_table: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """Rotate q, k and write the rotated k and v into their cache slots; returns the rotated
-    (q, k). The torch backend's rope_write_kv and the reference of the fused kernel."""
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales=None, rotation=None):
+    """Rotate q, k (then, with `rotation`, the Hadamard rotation's +-1 matrix [d, d], rotate both
+    by it) and write k and v into their cache slots (an FP8 cache: quantized, their scale bytes
+    into kv_scales); returns (q, k, v) as attention must read them: for an FP8 cache k and v are
+    the dequantized values the cache holds. The torch backend's rope_write_kv and the reference
+    of the fused kernel."""
     q, k = apply_rotary_ref(positions, q, k, cos_table, sin_table)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q, k
+    if rotation is not None:
+        q, k = rotate_ref(q, rotation), rotate_ref(k, rotation)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    if kv_scales is not None:
+        k, v = (dequantize_rows_ref(*quantize_rows_ref(x), x.dtype) for x in (k, v))
+    return q, k, v
 
 
 @triton.jit
@@ -84,42 +99,92 @@ def slot_row(Cache, slot, stride_cb, stride_ct, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
-                  CacheRow, stride_ch, to_cache,
-                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr):
-    """Rotate token `tok`'s H heads of X into Out; with TO_CACHE (k, not q), also store them into
-    the cache slot whose row starts at CacheRow (last dim contiguous), where `to_cache` holds."""
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    x_row = X + tok * stride_xt
-    o_row = Out + tok * stride_ot
-    # unrolled (H is a constexpr): the next tile's loads can issue before this tile's stores
-    for h0 in tl.static_range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)[:, None]
-        mask = (h < H) & (d < HALF)
-        x1 = tl.load(x_row + h * stride_xh + d * stride_xd, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + h * stride_xh + (d + HALF) * stride_xd, mask=mask, other=0.0).to(tl.float32)
-        o1 = round_to(x1 * cos - x2 * sin, Out.dtype.element_ty, EMULATE_RNE)
-        o2 = round_to(x2 * cos + x1 * sin, Out.dtype.element_ty, EMULATE_RNE)
-        tl.store(o_row + h * stride_oh + d * stride_od, o1, mask=mask)
-        tl.store(o_row + h * stride_oh + (d + HALF) * stride_od, o2, mask=mask)
-        if TO_CACHE:
-            # the values just stored to Out, converted to the cache dtype
-            tl.store(CacheRow + h * stride_ch + d, o1.to(CacheRow.dtype.element_ty), mask=mask & to_cache)
-            tl.store(CacheRow + h * stride_ch + d + HALF, o2.to(CacheRow.dtype.element_ty),
-                     mask=mask & to_cache)
+def _row_amax(x, mask):
+    return tl.max(tl.where(mask, tl.abs(x.to(tl.float32)), 0.0), axis=1)
 
 
 @triton.jit
-def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Slots,
-                          stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+def _quantize(x, scale_bytes, EMULATE_RNE: tl.constexpr):
+    """x [R, C] -> (e4m3 rows, their dequantized fp32 values) under the rows' scale bytes."""
+    q = round_to(x.to(tl.float32) * inverse_scale_from_bytes(scale_bytes)[:, None], tl.float8e4nv, EMULATE_RNE)
+    return q, q.to(tl.float32) * scale_from_bytes(scale_bytes)[:, None]
+
+
+@triton.jit
+def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
+                  CacheRow, stride_ch, ScaleRow, to_cache, Signs, rsqrt_d,
+                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Rotate token `tok`'s H heads of X into Out; with TO_CACHE (k, not q), also store them into
+    the cache slot whose row starts at CacheRow (last dim contiguous), where `to_cache` holds.
+    ROTATE: then the Hadamard rotation, [o1 | o2] @ S / sqrt(d) = (o1 @ S_top + o2 @ S_bot) / sqrt(d)
+    on the tensor cores in tf32 (exact for 16-bit inputs and S's +-1), and whole rows are stored. FP8: the cache
+    gets e4m3 rows and a scale byte per head at ScaleRow, and Out the dequantized rows."""
+    OUT: tl.constexpr = Out.dtype.element_ty
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    x_row = X + tok * stride_xt
+    o_row = Out + tok * stride_ot
+    if ROTATE:
+        sr = tl.arange(0, BLOCK_HALF)[:, None]
+        sc = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        s_mask = (sr < HALF) & (sc < 2 * HALF)
+        s_top = tl.load(Signs + sr * (2 * HALF) + sc, mask=s_mask, other=0.0)
+        s_bot = tl.load(Signs + (sr + HALF) * (2 * HALF) + sc, mask=s_mask, other=0.0)
+    # unrolled (H is a constexpr): the next tile's loads can issue before this tile's stores
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < H) & (d < HALF)
+        x1 = tl.load(x_row + h * stride_xh + d * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + h * stride_xh + (d + HALF) * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        o1 = round_to(x1 * cos - x2 * sin, OUT, EMULATE_RNE)
+        o2 = round_to(x2 * cos + x1 * sin, OUT, EMULATE_RNE)
+        if ROTATE:
+            dd = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+            row_mask = (h < H) & (dd < 2 * HALF)
+            # fp32 operands: a 16-bit value and +-1 are exact in tf32, so the products are exact
+            r = (tl.dot(o1.to(tl.float32), s_top, input_precision=PRECISION)
+                 + tl.dot(o2.to(tl.float32), s_bot, input_precision=PRECISION))
+            r = round_to(r * rsqrt_d, OUT, EMULATE_RNE)
+            if TO_CACHE:
+                if FP8:
+                    scale_bytes = scale_bytes_from_amax(_row_amax(r, row_mask))
+                    rq, r32 = _quantize(r, scale_bytes, EMULATE_RNE)
+                    tl.store(CacheRow + h * stride_ch + dd, rq, mask=row_mask & to_cache)
+                    tl.store(ScaleRow + heads, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
+                    r = r32.to(OUT)
+                else:
+                    tl.store(CacheRow + h * stride_ch + dd, r.to(CacheRow.dtype.element_ty), mask=row_mask & to_cache)
+            tl.store(o_row + h * stride_oh + dd * stride_od, r, mask=row_mask)
+        else:
+            if TO_CACHE:
+                if FP8:
+                    scale_bytes = scale_bytes_from_amax(tl.maximum(_row_amax(o1, mask), _row_amax(o2, mask)))
+                    q1, o1_32 = _quantize(o1, scale_bytes, EMULATE_RNE)
+                    q2, o2_32 = _quantize(o2, scale_bytes, EMULATE_RNE)
+                    tl.store(ScaleRow + heads, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
+                    o1, o2 = o1_32.to(OUT), o2_32.to(OUT)
+                else:
+                    q1, q2 = o1.to(CacheRow.dtype.element_ty), o2.to(CacheRow.dtype.element_ty)
+                tl.store(CacheRow + h * stride_ch + d, q1, mask=mask & to_cache)
+                tl.store(CacheRow + h * stride_ch + d + HALF, q2, mask=mask & to_cache)
+            tl.store(o_row + h * stride_oh + d * stride_od, o1, mask=mask)
+            tl.store(o_row + h * stride_oh + (d + HALF) * stride_od, o2, mask=mask)
+
+
+@triton.jit
+def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCache, KScale, VScale, Slots, Signs,
+                          rsqrt_d, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                           stride_vt, stride_vh, stride_vd,
                           stride_qot, stride_qoh, stride_qod, stride_kot, stride_koh, stride_kod,
-                          stride_cp, stride_cd, stride_sp, stride_sd,
+                          stride_vot, stride_voh, stride_cp, stride_cd, stride_sp, stride_sd,
                           stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                          stride_ksb, stride_kst, stride_vsb, stride_vst,
                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
+                          FP8: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)   # q, k, v come from the QKV GEMM just before (ridge/kernels/pdl.py)
     slot = tl.load(Slots + tok).to(tl.int64)
@@ -131,18 +196,31 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, Pos, Cos, Sin, KCache, VCache, Sl
     # latency overlaps the cos/sin gather and the rotation instead of adding to them
     hv = tl.arange(0, BLOCK_KVH)[:, None]
     dv = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-    v_mask = (hv < HK) & (dv < 2 * HALF) & to_cache
-    v = tl.load(V + tok * stride_vt + hv * stride_vh + dv * stride_vd, mask=v_mask)
+    v_ok = (hv < HK) & (dv < 2 * HALF)
+    v_mask = v_ok & to_cache
+    v = tl.load(V + tok * stride_vt + hv * stride_vh + dv * stride_vd, mask=v_ok if FP8 else v_mask, other=0.0)
     pos = tl.load(Pos + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
     _rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
-                  QOut, 0, False, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False)
+                  QOut, 0, QOut, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
+                  ROTATE, PRECISION)
     _rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
-                  k_row, stride_kch, to_cache, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True)
+                  k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), to_cache, Signs,
+                  rsqrt_d, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True, FP8, ROTATE, PRECISION)
     v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)
-    tl.store(v_row + hv * stride_vch + dv, v.to(VCache.dtype.element_ty), mask=v_mask)
+    if FP8:
+        # every row, padding included, gets its dequantized v: attention reads it like the cache's
+        scale_bytes = scale_bytes_from_amax(_row_amax(v, v_ok))
+        vq, v32 = _quantize(v, scale_bytes, EMULATE_RNE)
+        tl.store(v_row + hv * stride_vch + dv, vq, mask=v_mask)
+        heads = tl.arange(0, BLOCK_KVH)
+        tl.store(slot_row(VScale, slot, stride_vsb, stride_vst, PAGE) + heads, scale_bytes.to(tl.uint8),
+                 mask=(heads < HK) & to_cache)
+        tl.store(VOut + tok * stride_vot + hv * stride_voh + dv, v32.to(VOut.dtype.element_ty), mask=v_ok)
+    else:
+        tl.store(v_row + hv * stride_vch + dv, v.to(VCache.dtype.element_ty), mask=v_mask)
 
 
 def launch_config(q_heads: int, k_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -158,11 +236,15 @@ def launch_config(q_heads: int, k_heads: int, head_dim: int) -> tuple[int, int, 
 
 def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, rotation: torch.Tensor | None = None,
                   q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None):
     """Rotate q [T, H, d] and k [T, kvh, d] (any strides) and write the rotated k and v
     [T, kvh, d] into k_cache, v_cache [pages, page, kvh, d] at slot_mapping [T] (negative:
-    skipped); positions: [T] int; cos, sin: [max_pos, d] with equal halves. Returns (q_out,
-    k_out), contiguous unless given."""
+    skipped); positions: [T] int; cos, sin: [max_pos, d] with equal halves. An FP8 cache
+    (ridge/kernels/kv_fp8.py) needs kv_scales, the caches' scale bytes [pages, page, kvh];
+    `rotation` (kv_fp8.hadamard_signs, [d, d]) rotates q and k after RoPE. Returns (q_out, k_out,
+    v_out): what attention reads, k and v as the cache holds them (dequantized for FP8; v itself
+    otherwise); q_out, k_out contiguous unless given."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"rope_write_kv: q [T, H, d] and k [T, kvh, d] expected, "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -185,16 +267,27 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         raise ValueError("rope_write_kv needs caches whose last dim is contiguous")
     if slot_mapping.shape != (tokens,):
         raise ValueError(f"rope_write_kv: slot_mapping must be [T={tokens}], got {tuple(slot_mapping.shape)}")
+    fp8 = check_kv_scales(k_cache, v_cache, kv_scales, "rope_write_kv")
+    if rotation is not None and (rotation.shape != (head_dim, head_dim) or head_dim & (head_dim - 1)):
+        raise ValueError(f"rope_write_kv: rotation must be [{head_dim}, {head_dim}] with head_dim a power of two, "
+                         f"got {tuple(rotation.shape)}")
+    v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if fp8 else v
     if tokens == 0:
-        return q_out, k_out
+        return q_out, k_out, v_out
     block_half, block_hq, block_hk, num_warps = launch_config(q_heads, k_heads, head_dim)
+    if rotation is not None:       # the rotation's tl.dot needs 16 rows and a K of 16 a tile (masked)
+        block_half, block_hq, block_hk = max(block_half, 16), max(block_hq, 16), max(block_hk, 16)
+    k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)
+    signs = rotation.to(device=q.device, dtype=torch.float32).contiguous() if rotation is not None else q
     pdl = use_pdl(q)
     _rope_kv_write_kernel[(tokens,)](
-        q, k, v, q_out, k_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        q, k, v, q_out, k_out, v_out, positions, cos, sin, k_cache, v_cache, k_scale, v_scale, slot_mapping, signs,
+        head_dim ** -0.5, *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(),
+        *v_out.stride()[:2], *cos.stride(), *sin.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *k_scale.stride()[:2], *v_scale.stride()[:2],
         HQ=q_heads, HK=k_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), PDL=pdl, num_warps=num_warps,
-        **launch_options(pdl))
-    return q_out, k_out
+        BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), PDL=pdl,
+        FP8=fp8, ROTATE=rotation is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, **launch_options(pdl))
+    return q_out, k_out, v_out

@@ -6,7 +6,7 @@ kernel per layer: one launch and one inter-kernel gap fewer per layer in a decod
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -23,26 +23,32 @@ from ridge.layers.cost import OpCost, StepShape
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    # (positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> rotated (q, k); k and v
-    # written to their slots (negative slot: none)
+    # (positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, kv_scales, rotation) -> (q, k, v)
+    # as attention reads them; k and v written to their slots (negative slot: none)
     rope_write_kv: Callable
+    # (q, k, v, k_cache, v_cache, meta, scale, window, kv_scales) -> attention output
     attend: Callable
+    # the +-1 Hadamard matrix [head_dim, head_dim] that rotates q and k before an FP8 cache
+    # quantizes k (--kv-cache-hadamard; ridge/kernels/kv_fp8.py), or None
+    kv_rotation: torch.Tensor | None = None
 
 
 # the reference reads every key, new ones included, back from the cache: the oracle
-TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref, lambda q, k, v, k_cache, v_cache, meta, scale, window=None:
-                                 paged_attention_ref(q, k_cache, v_cache, meta, scale, window))
+TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref,
+                                 lambda q, k, v, k_cache, v_cache, meta, scale, window=None, kv_scales=None:
+                                 paged_attention_ref(q, k_cache, v_cache, meta, scale, window, kv_scales))
 
 
-def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128) -> AttentionBackend:
+def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128,
+                   kv_rotation: torch.Tensor | None = None) -> AttentionBackend:
     triton_ok = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0   # tiled as one power-of-two block
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_ok)):
-        return TORCH_BACKEND
+        return TORCH_BACKEND if kv_rotation is None else replace(TORCH_BACKEND, kv_rotation=kv_rotation)
     if not triton_ok:
         raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
                          f"this model has {head_dim}")
     if name in ("auto", "triton"):
-        return AttentionBackend("triton", rope_write_kv, triton_paged_attention)
+        return AttentionBackend("triton", rope_write_kv, triton_paged_attention, kv_rotation)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
 
 
@@ -68,12 +74,15 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.backend, self.rotary = head_dim ** -0.5, sliding_window, backend, rotary
 
-    def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]."""
-        k_cache, v_cache = kv_cache
-        q, k = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin,
-                                          k_cache, v_cache, meta.slot_mapping)
-        return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
+    def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata):
+        """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]. kv_cache:
+        (k_cache, v_cache), or for an FP8 cache (k_cache, v_cache, k_scale, v_scale)."""
+        k_cache, v_cache, *scales = kv_cache
+        kv_scales = tuple(scales) or None
+        q, k, v = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                             meta.slot_mapping, kv_scales, self.backend.kv_rotation)
+        return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                   kv_scales=kv_scales)
 
     def cost(self, step: StepShape) -> list[OpCost]:
         """rope_kv_write: q*cos + rotate(q)*sin, 3 FLOPs an element of q and k; reads q, k, v and the

@@ -14,9 +14,9 @@ the activation names a GEMV act (`gemv_act`). The fusion pays only on the M = 1 
 2-8 the GEMV's tensor-core path recomputes the activation per tile and loses to the separate
 kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summation order differs.
 
-With a quantization config (`quant`, ridge/layers/quant/int4.py) the layer's tables, their
-loading and its GEMM belong to the INT4 method object (vLLM's LinearMethod); the Linear keeps its
-shards, bias and input activation, and states the INT4 bytes in its cost.
+With a quantization config (`quant`: ridge/layers/quant/int4.py, fp8_linear.py) the layer's tables,
+their loading and its GEMM belong to the method object (vLLM's LinearMethod); the Linear keeps its
+shards, bias and input activation, and states the quantized bytes in its cost.
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ class Linear(nn.Module):
                                                  self.weight_loader, shard_ids)
         # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
         self.quant_method = quant.linear_method(self) if quant is not None else None
-        if self.quant_method is None:
-            self.weight = param(offset, in_features)
+        if self.quant_method is None or getattr(self.quant_method, "loads_float_weight", False):
+            self.weight = param(offset, in_features)     # FP8 at load: quantized once loaded
         self.bias = param(offset) if bias else None
         self.input_act = input_act
 
@@ -76,9 +76,9 @@ class Linear(nn.Module):
             self.quant_method.finish_loading(self)
 
     def initialize_dummy(self, generator: torch.Generator, std: float) -> None:
-        """Dummy weights (load_format "dummy"): normal(0, std), or the INT4 tables' own."""
+        """Dummy weights (load_format "dummy"): normal(0, std), or the quantization method's own."""
         if self.quant_method is not None:
-            self.quant_method.initialize_dummy(self, generator)
+            self.quant_method.initialize_dummy(self, generator, std)
         else:
             self.weight.normal_(0.0, std, generator=generator)
         if self.bias is not None:

@@ -80,12 +80,13 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     fp8, quant = fp8_config_of(cfg.quantization_config), None
-    if fp8 is not None and quantization is not None:
+    if fp8 is not None and quantization not in (None, "fp8"):
         raise ValueError(f"quantization: {quantization!r} does not apply to this FP8 checkpoint (quantization_config "
                          f"{cfg.quantization_config.get('quant_method')!r}), which loads dequantized to the model's "
-                         f"dtype; leave quantization unset")
-    if fp8 is None:
-        quant = select_quantization(quantization, cfg.quantization_config)
+                         f"dtype, or with 'fp8' runs FP8 GEMMs")
+    # an FP8 checkpoint loads dequantized; with quantization 'fp8' it is quantized again at load, which
+    # gives back its own e4m3 values where its blocks are 128 x 128 (each block's maximum is 448 x scale)
+    quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it

@@ -15,17 +15,16 @@ label, fraction and prediction uses the measured numbers.
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import platform
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-CACHE_VERSION = 1
+from ridge.utils.device_cache import cache_root, cached, device_key, device_name
+
+CACHE_VERSION = 2
 
 # Display only (dense, no sparsity), from the vendors' datasheets: never used in a computation.
 DATASHEETS = {
@@ -219,28 +218,6 @@ def supported_dtypes(device: torch.device) -> list[str]:
     return names
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        raw = f"cuda-{device_name(device)}-sm{major}{minor}-torch{torch.__version__}"
-    else:
-        raw = f"cpu-{device_name(device)}-{torch.get_num_threads()}t-torch{torch.__version__}"
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", raw)
-
-
 def measure_ceilings(device: torch.device | str = "cpu", dtypes: list[str] | None = None) -> Ceilings:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -269,8 +246,7 @@ def measure_ceilings(device: torch.device | str = "cpu", dtypes: list[str] | Non
 
 
 def cache_dir() -> str:
-    root = os.environ.get("RIDGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ridge")
-    return os.path.join(root, "roofline")
+    return os.path.join(cache_root(), "roofline")
 
 
 def cache_path(device: torch.device | str) -> str:
@@ -280,19 +256,9 @@ def cache_path(device: torch.device | str) -> str:
 def load_ceilings(device: torch.device | str = "cpu", remeasure: bool = False) -> Ceilings:
     """The device's ceilings from the cache, measured (and cached) on first use or when asked."""
     device = torch.device(device)
-    path = cache_path(device)
-    if not remeasure and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            if raw.get("version") == CACHE_VERSION:
-                return Ceilings.from_dict(raw["ceilings"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass                                   # unreadable cache: measure again
-    c = measure_ceilings(device)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(version=CACHE_VERSION, ceilings=c.to_dict()), f, indent=2)
-    os.replace(tmp, path)
-    return c
+    raw = cached(cache_path(device), CACHE_VERSION, lambda: measure_ceilings(device).to_dict(), remeasure)
+    try:
+        return Ceilings.from_dict(raw)
+    except (KeyError, TypeError, ValueError):       # a cache of an older layout: measure again
+        return Ceilings.from_dict(cached(cache_path(device), CACHE_VERSION,
+                                         lambda: measure_ceilings(device).to_dict(), remeasure=True))

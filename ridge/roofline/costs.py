@@ -140,8 +140,9 @@ def matrix_compute(step: StepShape) -> str:
     return (step.weights or step.act).compute
 
 
-def step_shape(sched, dtype: torch.dtype, greedy: bool = True) -> StepShape:
-    """The shape of an engine step (`ridge.engine.scheduler.SchedulerOutput`)."""
+def step_shape(sched, dtype: torch.dtype, greedy: bool = True, kv_bytes: float | None = None) -> StepShape:
+    """The shape of an engine step (`ridge.engine.scheduler.SchedulerOutput`); kv_bytes: bytes per
+    cached K/V element when the cache is not in the model dtype (an FP8 cache: 1 + its scale's share)."""
     items = sched.scheduled
     return StepShape(tuple(i.num_new_tokens for i in items), tuple(i.start + i.num_new_tokens for i in items),
-                     num_sampled=sum(1 for i in items if i.samples), greedy=greedy, dtype=dtype)
+                     num_sampled=sum(1 for i in items if i.samples), greedy=greedy, dtype=dtype, kv_bytes=kv_bytes)

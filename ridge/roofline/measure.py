@@ -110,7 +110,7 @@ def _add(engine, prompts, sampling) -> list[str]:
 
 
 def _shape(engine, sched, sampling) -> StepShape:
-    return step_shape(sched, engine.cfg.dtype, greedy=sampling == "greedy")
+    return step_shape(sched, engine.cfg.dtype, greedy=sampling == "greedy", kv_bytes=engine.runner.kv_element_bytes())
 
 
 def build_prefill(engine, batch: int, prompt_len: int, sampling: str = "greedy", seed: int = 0) -> BuiltStep:
@@ -162,7 +162,12 @@ def release(engine, ids) -> None:
 def fill_kv_pool(runner, seed: int = 0) -> None:
     """Random K/V in the whole pool, so a decode's synthetic context holds ordinary numbers."""
     g = torch.Generator(device=runner.kv_cache.device).manual_seed(seed)
-    runner.kv_cache.uniform_(-1.0, 1.0, generator=g)
+    if runner.kv_scales is None:
+        runner.kv_cache.uniform_(-1.0, 1.0, generator=g)
+        return
+    runner.kv_scales.fill_(127 - 7)                  # an FP8 pool: rows of e4m3 in [-128, 128) x 2^-7
+    for layer in runner.kv_cache:                    # one layer at a time: no pool-sized float copy
+        layer.copy_(torch.empty(layer.shape, device=layer.device).uniform_(-128.0, 128.0, generator=g))
 
 
 def engine_step_fn(engine, built: BuiltStep) -> Callable[[Timeline], None]:

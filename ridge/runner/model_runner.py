@@ -17,6 +17,7 @@ import torch
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
 from ridge.layers.sampler import SamplingBatch, sample
@@ -49,11 +50,13 @@ def _plain_greedy(seq) -> bool:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
-        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim)
+        rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
+        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
-        self.kv_cache, self.decode_graphs = None, None      # set by allocate_kv_cache, setup_decode
+        # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
+        self.kv_cache, self.kv_scales, self.decode_graphs = None, None, None
         self.warm_up_seconds = 0.0
         # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
         # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
@@ -70,16 +73,30 @@ class ModelRunner:
             o.on_step_end(phase, arg)
         return out
 
+    def kv_bytes_per_row(self) -> int:
+        """Bytes of one cached K or V row (a token's kv head): FP8 adds its scale byte."""
+        d = self.model_cfg.head_dim
+        return d + 1 if self.cfg.fp8_kv_cache else d * self.cfg.dtype.itemsize
+
+    def kv_element_bytes(self) -> float | None:
+        """Bytes per cached K/V element when the cache is not in the model dtype (FP8), else None."""
+        return self.kv_bytes_per_row() / self.model_cfg.head_dim if self.cfg.fp8_kv_cache else None
+
     def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
-        return 2 * m.num_layers * self.cfg.page_size * m.num_kv_heads * m.head_dim * self.cfg.dtype.itemsize
+        return 2 * m.num_layers * self.cfg.page_size * m.num_kv_heads * self.kv_bytes_per_row()
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """One pool for all layers: [layers, 2 (K, V), pages, page size, kv heads, head dim]."""
+        """One pool for all layers: [layers, 2 (K, V), pages, page size, kv heads, head dim], in the
+        model dtype or e4m3 with scale bytes [layers, 2, pages, page size, kv heads] beside it."""
         m = self.model_cfg
-        self.kv_cache = torch.empty(m.num_layers, 2, num_pages, self.cfg.page_size, m.num_kv_heads,
-                                    m.head_dim, dtype=self.cfg.dtype, device=self.device)
+        shape = (m.num_layers, 2, num_pages, self.cfg.page_size, m.num_kv_heads)
+        dtype = KV_FP8 if self.cfg.fp8_kv_cache else self.cfg.dtype
+        self.kv_cache = torch.empty(*shape, m.head_dim, dtype=dtype, device=self.device)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
+        if self.cfg.fp8_kv_cache:
+            self.kv_scales = torch.ones(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+            self.layer_caches = [(*c, self.kv_scales[i, 0], self.kv_scales[i, 1]) for i, c in enumerate(self.layer_caches)]
 
     def setup_decode(self, use_graphs: bool) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
@@ -153,6 +170,8 @@ class ModelRunner:
         if copies:
             src, dst = (self.to_device(list(c), torch.int64) for c in zip(*copies))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         return self._observed("execute", sched, self._execute, sched, previous)

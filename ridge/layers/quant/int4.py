@@ -31,10 +31,11 @@ from torch import nn
 from ridge.kernels.int4_matmul import PACK, int4_matmul, pack_int4, unpack_int4
 from ridge.layers.cost import Precision
 from ridge.layers.quant import formats
+from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.weights import set_weight_loader
 
 FORMATS = ("awq", "gptq", "compressed-tensors")
-QUANTIZATIONS = FORMATS + ("int4",)       # the `quantization` setting's values (ridge/config.py)
+QUANTIZATIONS = FORMATS + ("int4", "fp8")       # the `quantization` setting's values (ridge/config.py)
 AT_LOAD_GROUP = 128
 DUMMY_SCALE = 0.02 / 8                    # (q - 8) * scale has about the std of a bf16 dummy weight
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -150,8 +151,13 @@ def _compressed_tensors(qc: dict) -> Int4Config:
     return Int4Config("compressed-tensors", size, symmetric=symmetric, has_g_idx=g_idx)
 
 
-def select_quantization(setting: str | None, hf_config: dict | None) -> Int4Config | None:
+def select_quantization(setting: str | None, hf_config: dict | None) -> Int4Config | Fp8Config | None:
     """The scheme a model loads with, from the `quantization` setting and config.json's quantization_config."""
+    if setting == "fp8":
+        if hf_config is not None:
+            raise ValueError(f"quantization: 'fp8' quantizes a float checkpoint at load, and this checkpoint is "
+                             f"quantized (quantization_config.quant_method {hf_config.get('quant_method')!r})")
+        return Fp8Config()
     if setting == "int4":
         if hf_config is not None:
             raise ValueError(f"quantization: 'int4' quantizes a float checkpoint at load, and this checkpoint is "
@@ -301,7 +307,7 @@ class Int4Linear:
         layer.perm = perm
 
     @torch.no_grad()
-    def initialize_dummy(self, layer, generator: torch.Generator) -> None:
+    def initialize_dummy(self, layer, generator: torch.Generator, std: float | None = None) -> None:
         """Random tables that start an engine without a checkpoint: q uniform in [0, 15], zero point 8,
         positive scales (never zero), groups in order."""
         qweight, scales, zeros = (self.table(layer, r) for r in ("qweight", "scales", "zeros"))

@@ -1,0 +1,104 @@
+"""Which FP8 GEMM serves a projection at a batch size: measured once per GPU, then looked up.
+
+Block-scaled FP8 wins only where a GEMM is compute-bound, and by how much depends on the shape:
+at decode sizes the activation-quantization pass and the scale loads can cost more than the
+halved weight bytes save (block-FP8 is slower than bf16 at small M in vLLM, PR #23280), and which
+kernel is fastest at prefill sizes (ridge's Triton kernel at one of a few tile configs, or
+cuBLAS's block-scaled torch._scaled_mm) differs per GPU. So for each (N, K) the engine loads it
+times, at one representative batch size per bucket (BUCKETS), every candidate on the same random
+operands, the activation quantization included in the FP8 ones:
+  * "triton:<config>": ridge's fp8_gemm at each of TRITON_CONFIGS (pointer-load tiles, split K,
+    the persistent TMA kernel),
+  * "cublas": cublas_fp8_gemm,
+  * "bf16": the layer's bf16 path on the dequantized weight (ridge's GEMV up to its row limit, else
+    cuBLAS via F.linear),
+and keeps the fastest per bucket. A batch of M rows takes the choice of the first bucket >= M.
+The table is cached per device (RIDGE_CACHE_DIR/fp8, like the roofline's ceilings), so only the
+first start on a GPU pays for the timing (seconds for an 8B model).
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from ridge.kernels.fp8_gemm import cublas_fp8_gemm, fp8_gemm, quantize_act_fp8
+from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
+from ridge.utils.device_cache import cache_root, cached, device_key
+
+BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_gemm.py found fastest somewhere
+    "tma128x128": dict(tma=True, block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "tma64x128": dict(tma=True, block_m=64, block_n=128, num_warps=4, num_stages=4),
+    "tma64x64": dict(tma=True, block_m=64, block_n=64, num_warps=4, num_stages=5),
+    "ptr64x128": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),
+    "ptr128x64": dict(block_m=128, block_n=64, num_warps=4, num_stages=4),
+    "ptr64x64k4": dict(block_m=64, block_n=64, num_warps=4, num_stages=5, split_k=4),
+    "ptr64x128k4": dict(block_m=64, block_n=128, num_warps=4, num_stages=4, split_k=4),
+}
+SPLIT_MAX_M = 512          # split K pays only while the tiles alone cannot fill the GPU
+VERSION = 1
+
+
+def bucket_of(m: int) -> int:
+    """The representative batch size whose choice serves m rows."""
+    return BUCKETS[min(bisect.bisect_left(BUCKETS, m), len(BUCKETS) - 1)]
+
+
+def fp8_matmul(path: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) @ the block-scaled weight by an FP8 path: quantize x, then the GEMM."""
+    xq, xs = quantize_act_fp8(x)
+    if path == "cublas":
+        return cublas_fp8_gemm(xq, xs, wq, ws, x.dtype)
+    return fp8_gemm(xq, xs, wq, ws, x.dtype, **TRITON_CONFIGS[path.removeprefix("triton:")])
+
+
+def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return gemv(x, w) if x.shape[0] <= GEMV_MAX_ROWS else F.linear(x, w)
+
+
+def _time_us(fn, reps: int = 7, calls: int = 3) -> float:
+    """Median over reps of the mean time of `calls` back-to-back calls (CUDA events), after warm-up."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict:
+    """{bucket: {"choice": path, "us": {path: microseconds}}} for one weight (bf16 w and its FP8 form)."""
+    n, k = w.shape
+    gen = torch.Generator(device=w.device).manual_seed(n * 7 + k)
+    table = {}
+    for m in BUCKETS:
+        x = torch.randn(m, k, generator=gen, device=w.device).to(w.dtype)
+        paths = ["bf16", "cublas"] + [f"triton:{c}" for c, a in TRITON_CONFIGS.items()
+                                      if a.get("split_k", 1) == 1 or m <= SPLIT_MAX_M]
+        us, errors = {}, {}
+        for p in paths:
+            fn = (lambda: bf16_matmul(x, w)) if p == "bf16" else (lambda p=p: fp8_matmul(p, x, wq, ws))
+            try:
+                us[p] = _time_us(fn)
+            except Exception as e:  # noqa: BLE001  a path this torch / GPU lacks, or a config out of resources
+                errors[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
+    return table
+
+
+def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict[int, str]:
+    """{bucket: path} for this weight's (N, K) on its GPU, from the per-device cache or measured now."""
+    n, k = w.shape
+    path = os.path.join(cache_root(), "fp8", f"dispatch-{device_key(w.device)}-{n}x{k}.json")
+    table = cached(path, VERSION, lambda: measure_shape(w, wq, ws))
+    return {int(m): e["choice"] for m, e in table.items()}

@@ -1,0 +1,72 @@
+"""`--quantization fp8`: a Linear's weight quantized at load to e4m3 with 128 x 128 block scales
+(ridge/layers/quant/fp8.py, DeepSeek-V3's scheme), activations quantized per token and 128
+channels at run time, and the product by the fastest block-scaled GEMM for the batch size
+(ridge/layers/quant/fp8_dispatch.py). Where the bf16 path measured faster at some batch size, the
+layer keeps its bf16 weight for those batches, so FP8 is never slower than bf16 (at the cost of
+that layer's bf16 bytes); otherwise only the e4m3 weight and its scales stay.
+
+On a CPU the product is the torch reference of the same arithmetic (quantize_act_fp8_ref,
+fp8_gemm_ref), so tests see FP8's numbers without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
+from ridge.layers.cost import Precision
+from ridge.layers.quant.fp8 import quantize_fp8_block
+from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul
+
+
+class Fp8Config:
+    """The `fp8` quantization setting: block-scaled W8A8 quantized from a float checkpoint at load."""
+    format = "fp8"
+
+    def linear_method(self, layer: nn.Module) -> "Fp8Linear":
+        return Fp8Linear(layer)
+
+
+class Fp8Linear:
+    """A Linear's FP8 weight and how it runs and costs. The float `weight` parameter loads as usual
+    (checkpoint or dummy); finish_loading quantizes it and picks the GEMM per batch-size bucket."""
+    loads_float_weight = True
+
+    def __init__(self, layer: nn.Module):
+        self.paths: dict[int, str] | None = None       # bucket -> path; None: the CPU reference
+        layer.register_buffer("weight_fp8", None)
+        layer.register_buffer("weight_scale_inv", None)
+
+    @torch.no_grad()
+    def finish_loading(self, layer) -> None:
+        w = layer.weight.data
+        layer.weight_fp8, layer.weight_scale_inv = quantize_fp8_block(w)
+        if w.is_cuda:
+            self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv)
+        if self.paths is None or "bf16" not in self.paths.values():
+            layer.weight = None                           # only the FP8 weight is ever read: free the bf16 one
+
+    def initialize_dummy(self, layer, generator: torch.Generator, std: float) -> None:
+        layer.weight.normal_(0.0, std, generator=generator)
+        self.finish_loading(layer)
+
+    def path(self, m: int) -> str:
+        return "reference" if self.paths is None else self.paths[bucket_of(m)]
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] (+ bias) by the path measured fastest for this many rows."""
+        x2 = x.reshape(-1, x.shape[-1])
+        path = self.path(x2.shape[0])
+        if path == "bf16":
+            y = bf16_matmul(x2, layer.weight)
+        elif path == "reference":
+            y = fp8_gemm_ref(*quantize_act_fp8_ref(x2), layer.weight_fp8, layer.weight_scale_inv, x.dtype)
+        else:
+            y = fp8_matmul(path, x2.contiguous(), layer.weight_fp8, layer.weight_scale_inv)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def precision(self, act: Precision) -> Precision:
+        """One byte a weight plus an fp32 scale per 128 x 128 block; FP8 tensor-core FLOPs."""
+        return Precision("fp8-block128", 1 + 4 / 128**2, compute="fp8")

@@ -1,0 +1,114 @@
+"""The fused RoPE + KV write into an FP8 cache (ridge/kernels/kv_fp8.py's format), with and without
+the Hadamard rotation of q and k: against the kernel's own rotation followed by the torch
+quantization (bit for bit), and against the torch reference backend (rope_write_kv_ref)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+from test_fused_kernels import apply_rotary  # noqa: E402
+from test_rope_kv_write import PAGE, make_inputs  # noqa: E402
+
+from ridge.kernels.kv_fp8 import FP8, dequantize_rows_ref, hadamard_signs, quantize_rows_ref, scale_of  # noqa: E402
+from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref, rotate_ref  # noqa: E402
+from ridge.layers.rotary import RotaryEmbedding  # noqa: E402
+
+interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU-tensor kernel tests run under TRITON_INTERPRET=1")
+
+
+def fp8_caches(num_pages, kvh, d, device="cpu"):
+    """FP8 caches poisoned with NaN (0x7F) and scale bytes poisoned with 0xFF."""
+    caches = [torch.full((num_pages, PAGE, kvh, d), 0x7F, dtype=torch.uint8, device=device).view(FP8)
+              for _ in range(2)]
+    scales = [torch.full((num_pages, PAGE, kvh), 0xFF, dtype=torch.uint8, device=device) for _ in range(2)]
+    return caches, scales
+
+
+def run_case(tokens, heads, kvh, d, dtype, rotate, seed, device="cpu"):
+    rope = RotaryEmbedding(d, 512, 10000.0, None).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    _, q, k, v, positions, slots, _ = make_inputs(tokens, heads, kvh, d, dtype, g, num_pages=-(-tokens // PAGE) + 2,
+                                                  max_pos=512, device=device, pad_rows=(1,) if tokens > 2 else ())
+    k[:, :, 3] *= 40                                             # an outlier channel
+    (kc, vc), scales = fp8_caches(-(-tokens // PAGE) + 2, kvh, d, device)
+    signs = hadamard_signs(d, seed=seed).to(device) if rotate else None
+    q1, k1, v1 = rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots, kv_scales=scales,
+                               rotation=signs)
+    return rope, q, k, v, positions, slots, (kc, vc), scales, signs, (q1, k1, v1)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens,heads,kvh,d", [(5, 4, 2, 64), (19, 8, 1, 128)])
+def test_fp8_write_is_the_rotation_then_the_torch_quantization(tokens, heads, kvh, d, dtype):
+    rope, q, k, v, positions, slots, (kc, vc), (ks, vs), _, (q1, k1, v1) = run_case(tokens, heads, kvh, d, dtype,
+                                                                                    False, seed=tokens)
+    q2, k2 = apply_rotary(positions, q, k, rope.cos, rope.sin)
+    assert torch.equal(q1, q2)
+    real = slots >= 0
+    for x, cache, scale, out in ((k2, kc, ks, k1), (v, vc, vs, v1)):
+        want_q, want_s = quantize_rows_ref(x)
+        flat, flat_s = cache.view(-1, kvh, d), scale.view(-1, kvh)
+        assert torch.equal(flat[slots[real]].view(torch.uint8), want_q[real].view(torch.uint8))
+        assert torch.equal(flat_s[slots[real]], want_s[real])
+        assert torch.equal(out, dequantize_rows_ref(want_q, want_s, dtype))   # what attention reads
+    untouched = torch.ones(kc.shape[0] * PAGE, dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert (kc.view(-1, kvh, d)[untouched].view(torch.uint8) == 0x7F).all()
+    assert (vs.view(-1, kvh)[untouched] == 0xFF).all()
+    # every stored row fits e4m3 without clamping: its maximum lands in [128, 256] (256: rounded up)
+    amax = kc.view(-1, kvh, d)[slots[real]].float().abs().amax(-1)
+    assert ((amax >= 128) | (amax == 0)).all() and (amax <= 256).all()
+    assert (scale_of(ks.view(-1, kvh)[slots[real]]) > 0).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_hadamard_rotation_matches_the_reference_and_keeps_scores(dtype):
+    tokens, heads, kvh, d = 9, 4, 2, 64
+    rope, q, k, v, positions, slots, (kc, vc), (ks, vs), signs, (q1, k1, v1) = run_case(tokens, heads, kvh, d, dtype,
+                                                                                         True, seed=3)
+    real = slots >= 0
+    q0, k0 = apply_rotary(positions, q, k, rope.cos, rope.sin)       # the kernel's RoPE alone
+    one_ulp = dict(rtol=2 ** -7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q1, rotate_ref(q0, signs), **one_ulp)    # fp32 summation order, one rounding
+    # the cache holds what k1 says, and that is the rotated k to e4m3 precision (per row's scale)
+    flat, flat_s = kc.view(-1, kvh, d)[slots[real]], ks.view(-1, kvh)[slots[real]]
+    assert torch.equal(dequantize_rows_ref(flat, flat_s, dtype), k1[real])
+    rk = rotate_ref(k0, signs).float()[real]
+    assert ((k1[real].float() - rk).abs() <= 2 ** -4 * rk.abs() + scale_of(flat_s)[..., None] * 2 ** -3).all()
+    assert torch.equal(v1, dequantize_rows_ref(*quantize_rows_ref(v), dtype))     # v is not rotated
+    # the torch backend (its own RoPE rounding, then the same rotation and quantization) agrees
+    (rkc, rvc), (rks, rvs) = fp8_caches(kc.shape[0], kvh, d)
+    q3, k3, v3 = rope_write_kv_ref(positions[real], q[real], k[real], v[real], rope.cos, rope.sin, rkc, rvc,
+                                   slots[real], kv_scales=(rks, rvs), rotation=signs)
+    torch.testing.assert_close(q1[real], q3, rtol=2 ** -5, atol=2 ** -5)
+    torch.testing.assert_close(k1[real].float(), k3.float(), rtol=2 ** -3, atol=2 ** -5 * k3.float().abs().max().item())
+    assert torch.equal(v1[real], v3)
+    # the rotation is orthogonal: rotated scores are the plain ones
+    plain = torch.einsum("thd,tkd->thk", q0.float(), k0.float())
+    rotated = torch.einsum("thd,tkd->thk", rotate_ref(q0.float(), signs), rotate_ref(k0.float(), signs))
+    torch.testing.assert_close(rotated, plain, rtol=1e-4, atol=1e-3)
+
+
+def test_bad_scales_are_named():
+    rope = RotaryEmbedding(64, 64, 10000.0, None)
+    g = torch.Generator().manual_seed(1)
+    _, q, k, v, positions, slots, _ = make_inputs(3, 4, 2, 64, torch.float32, g, num_pages=1, max_pos=64)
+    (kc, vc), (ks, vs) = fp8_caches(1, 2, 64)
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots)
+    with pytest.raises(ValueError, match="k_scale must be uint8"):
+        rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots, kv_scales=(ks.float(), vs))
+    with pytest.raises(ValueError, match="rotation must be"):
+        rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots, kv_scales=(ks, vs),
+                      rotation=torch.ones(32, 32))   # head_dim is 64
+    bf = torch.zeros(1, PAGE, 2, 64)
+    with pytest.raises(ValueError, match="kv_scales are for an FP8 cache"):
+        rope_write_kv(positions, q, k, v, rope.cos, rope.sin, bf, bf, slots, kv_scales=(ks, vs))
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_signs(96)
