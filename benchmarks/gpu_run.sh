@@ -29,7 +29,8 @@
 #   fp8-quality    the FP8 quality contract on the demo model: ridge eval-ppl (bf16; --compare bf16: KL) of FP8
 #                  weights, FP8 KV, FP8 KV + Hadamard -> fp8_quality.json
 #   fp8-e2e        the 8B shape (config only, dummy weights): TTFT of a 4096-token prompt, bf16 vs
-#                  --quantization fp8 (its GEMM dispatch timed at load, cached); decode b1/b64 -> lat_fp8_*.json
+#                  --quantization fp8 (its GEMM dispatch timed at load, cached); decode b1/b64 -> lat_fp8_*.json,
+#                  fp8_dispatch.json (the dispatch tables: every path's time per bucket)
 #   fp8-roofline   ridge roofline on the 8B shape with --quantization fp8 --kv-cache-dtype fp8 -> roofline_fp8.{md,json}
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
@@ -152,7 +153,9 @@ part fp8-e2e 150 540 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset l
       --max-num-batched-tokens 4096 --no-progress --json $OUT/lat_\${q}_ttft.json 2>&1 | grep -E 'TTFT' | sed \"s/^/\$q  /\"; done && \
   for b in ${FP8_E2E_BATCHES:-1 64}; do python3 -m ridge bench latency --model $CFG8B --load-format dummy --quantization fp8 \
       --batch-size \$b --input-len 128 --output-len 128 --no-progress --json $OUT/lat_fp8_b\$b.json 2>&1 \
-      | grep -E 'decode tokens/s' | sed \"s/^/fp8 b=\$b  /\"; done"
+      | grep -E 'decode tokens/s' | sed \"s/^/fp8 b=\$b  /\"; done; \
+  python3 -c 'import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in \
+    glob.glob(os.path.expanduser(\"~/.cache/ridge/fp8/*.json\"))}, open(sys.argv[1], \"w\"))' $OUT/fp8_dispatch.json"
 part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
   python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --batch 1 64 \
     --context 2048 --prefill-len 4096 --out /tmp/roofline-fp8 2>&1 | grep -v -i warn | tail -40 && \
