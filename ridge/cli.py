@@ -34,6 +34,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+# the settings that make a run lower-precision than its checkpoint: reset for eval-ppl's reference
+FULL_PRECISION = dict(quantization=None, kv_cache_dtype="auto", kv_cache_hadamard=False)
+
+
 def cmd_eval_ppl(a: argparse.Namespace) -> int:
     import json
 
@@ -43,8 +47,10 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     cfg = settings.from_args(EngineConfig, a)
     llm = LLM(show_progress=False, **cfg.as_kwargs())
     files = a.files or heldout_files(llm.engine.cfg.model)
-    if a.compare:        # the reference runs under the same engine settings, only its weights differ
-        reference = LLM(show_progress=False, **{**cfg.as_kwargs(), "model": a.compare})
+    if a.compare:
+        # the reference runs under the same engine settings but in full precision: its weights are
+        # the compared checkpoint's, read as they are stored, and its KV cache is in the model dtype
+        reference = LLM(show_progress=False, **{**cfg.as_kwargs(), "model": a.compare, **FULL_PRECISION})
         r = compare(llm, reference, files, seq_len=a.seq_len)
     else:
         r = perplexity(llm, files, seq_len=a.seq_len)

@@ -332,3 +332,19 @@ def test_compare_with_itself_is_zero(tiny_llm, short_file):
     assert r.perplexity == r.reference_perplexity
     assert r.perplexity == pytest.approx(perplexity(tiny_llm, [short_file], seq_len=64, use_tqdm=False).perplexity,
                                          rel=1e-6)
+
+
+@pytest.mark.parametrize("flags", [["--quantization", "fp8"], ["--kv-cache-dtype", "fp8", "--kv-cache-hadamard"]],
+                         ids=["fp8-weights", "fp8-kv"])
+def test_eval_ppl_compare_reference_runs_in_full_precision(checkpoints, tmp_path, short_file, flags):
+    """--compare against the same checkpoint under a precision flag: the reference drops the flag
+    (it scores the float model with a float cache), so the KL is the flag's cost, not zero."""
+    from ridge.cli import main
+
+    model, out, plain = checkpoints("llama"), tmp_path / "q.json", tmp_path / "plain.json"
+    args = ["--files", short_file, "--seq-len", "64", "--device", "cpu"]
+    assert main(["eval-ppl", "--model", model, *args, "--json", str(plain)]) == 0
+    assert main(["eval-ppl", "--model", model, *flags, "--compare", model, *args, "--json", str(out)]) == 0
+    got, float_run = json.loads(out.read_text()), json.loads(plain.read_text())
+    assert got["reference_perplexity"] == pytest.approx(float_run["perplexity"], rel=1e-6)
+    assert 0 < got["kl_divergence"] < 0.05 and got["perplexity"] != float_run["perplexity"]

@@ -29,7 +29,8 @@ def fp8_caches(num_pages, kvh, d, device="cpu"):
 
 
 def run_case(tokens, heads, kvh, d, dtype, rotate, seed, device="cpu"):
-    rope = RotaryEmbedding(d, 512, 10000.0, None).to(device)
+    rope = RotaryEmbedding(d, 512, 10000.0, None)
+    rope.cos, rope.sin = rope.cos.to(device), rope.sin.to(device)
     g = torch.Generator(device=device).manual_seed(seed)
     _, q, k, v, positions, slots, _ = make_inputs(tokens, heads, kvh, d, dtype, g, num_pages=-(-tokens // PAGE) + 2,
                                                   max_pos=512, device=device, pad_rows=(1,) if tokens > 2 else ())
@@ -108,7 +109,7 @@ def test_bad_scales_are_named():
         rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots, kv_scales=(ks, vs),
                       rotation=torch.ones(32, 32))   # head_dim is 64
     bf = torch.zeros(1, PAGE, 2, 64)
-    with pytest.raises(ValueError, match="kv_scales are for an FP8 cache"):
+    with pytest.raises(ValueError, match="only an FP8 cache has scales"):
         rope_write_kv(positions, q, k, v, rope.cos, rope.sin, bf, bf, slots, kv_scales=(ks, vs))
     with pytest.raises(ValueError, match="power of two"):
         hadamard_signs(96)
@@ -120,3 +121,48 @@ def test_hadamard_lowers_attention_error_on_outliers():
     from tests_support import load_benchmark
     e = load_benchmark("kv_fp8_error").errors(256, 64, 2, seed=0)
     assert e["rmse_fp8_hadamard"] < e["rmse_fp8"] < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dims", [(512, 6, 2, 64), (300, 32, 8, 128)], ids=["demo", "llama8b"])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "hadamard"])
+def test_gpu_fp8_write(dims, rotate):
+    """The compiled kernel: the cache is the torch quantization of the kernel's own rotated k (and
+    of v) up to e4m3 steps where fp32 summation order flips a rounding, and k_out, v_out are the
+    dequantized cache."""
+    tokens, heads, kvh, d = dims
+    rope, q, k, v, positions, slots, (kc, vc), (ks, vs), signs, (q1, k1, v1) = run_case(
+        tokens, heads, kvh, d, torch.bfloat16, rotate, seed=tokens, device="cuda")
+    q0, k0 = apply_rotary(positions, q, k, rope.cos, rope.sin)
+    if rotate:
+        q0, k0 = rotate_ref(q0, signs), rotate_ref(k0, signs)
+    torch.testing.assert_close(q1, q0, rtol=2 ** -7, atol=1e-5)
+    real = slots >= 0
+    for x, cache, scale, out in ((k0, kc, ks, k1), (v, vc, vs, v1)):
+        flat, flat_s = cache.view(-1, kvh, d)[slots[real]], scale.view(-1, kvh)[slots[real]]
+        deq = dequantize_rows_ref(flat, flat_s, torch.bfloat16)
+        assert torch.equal(deq, out[real])
+        ref = x[real].float()
+        assert ((deq.float() - ref).abs() <= 2 ** -3 * ref.abs() + scale_of(flat_s)[..., None]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="EngineConfig refuses an FP8 KV cache on CUDA until this "
+                   "check passes (the demo model's GPU perplexity with it was 6961); lift both together")
+def test_gpu_demo_model_fp8_kv_logprobs_match_the_torch_backend():
+    """The demo model's prompt log-probabilities over an FP8 cache: the Triton kernels and the
+    torch reference backend (same cache format) agree, and stay near the bf16 cache's."""
+    from ridge import LLM, SamplingParams
+    ids = [list(range(5, 300, 3)), list(range(40, 400, 7))]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0)
+    got = {}
+    for name, kw in (("bf16", dict()), ("torch", dict(kv_cache_dtype="fp8", attention_backend="torch")),
+                     ("triton", dict(kv_cache_dtype="fp8"))):
+        llm = LLM(dtype="bfloat16", enforce_eager=True, kv_cache_memory=2**28, **kw)
+        outs = llm.generate(ids, params, use_tqdm=False)
+        got[name] = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
+        del llm
+    assert (got["triton"] - got["torch"]).abs().mean() < 0.05, (got["triton"] - got["torch"]).abs().mean()
+    assert (got["triton"] - got["bf16"]).abs().mean() < 0.2, (got["triton"] - got["bf16"]).abs().mean()

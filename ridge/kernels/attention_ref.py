@@ -21,35 +21,7 @@ from __future__ import annotations
 import torch
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.kv_fp8 import SCALE_DTYPE, dequantize_rows_ref, is_fp8_cache, quantize_rows_ref
-
-KVScales = tuple[torch.Tensor, torch.Tensor]
-
-
-def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    kv_scales: KVScales | None) -> KVScales | None:
-    """kv_scales if the caches are FP8 (validated), None if they are not; ValueError otherwise."""
-    fp8 = is_fp8_cache(k_cache), is_fp8_cache(v_cache)
-    if fp8[0] != fp8[1]:
-        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
-    if not fp8[0]:
-        if kv_scales is not None:
-            raise ValueError(f"kv_scales given for a {k_cache.dtype} cache: only an FP8 cache has scales")
-        return None
-    if kv_scales is None:
-        raise ValueError("an FP8 KV cache needs kv_scales=(k_scale, v_scale), uint8 [pages, page, kv_heads]")
-    if len(kv_scales) != 2:
-        raise ValueError(f"kv_scales must be the pair (k_scale, v_scale), got {len(kv_scales)} tensors")
-    for name, s, cache in zip(("k_scale", "v_scale"), kv_scales, (k_cache, v_cache)):
-        if s.dtype != SCALE_DTYPE:
-            raise ValueError(f"{name} must be uint8 (e8m0 scale bytes), got {s.dtype}")
-        if s.shape != cache.shape[:3]:
-            raise ValueError(f"{name} shape {tuple(s.shape)} must be the cache's [pages, page, kv_heads] "
-                             f"{tuple(cache.shape[:3])}")
-        if s.device != cache.device:
-            raise ValueError(f"{name} is on {s.device}, the cache on {cache.device}")
-    return kv_scales[0], kv_scales[1]
-
+from ridge.kernels.kv_fp8 import KVScales, check_kv_scales, dequantize_rows_ref, quantize_rows_ref
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:

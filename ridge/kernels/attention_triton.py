@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.attention_ref import KVScales
+from ridge.kernels.kv_fp8 import KVScales
 from ridge.kernels.decode_attention import decode_attention
 from ridge.kernels.prefill_attention import prefill_attention
 

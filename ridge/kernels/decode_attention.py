@@ -13,10 +13,23 @@ Two choices make the kernel stream at HBM speed:
   small second kernel merges the splits with the usual rescale-by-exp(lse - max) rule.
 
 With an FP8 cache (ridge/kernels/kv_fp8.py) each K/V tile is read as e4m3 plus one scale byte
-per key, head_dim + 1 bytes per row instead of 2 * head_dim: the step's dominant traffic halves.
-The tile is dequantized in registers to q's dtype (exact: e4m3 x 2^e fits bf16) before the dots,
-so the tensor-core math and the softmax are the bf16 path's. FP8 is a constexpr: the bf16 kernel
-compiles without a trace of it.
+per key, head_dim + 1 bytes per row instead of 2 * head_dim: the step's dominant traffic halves,
+so the per-tile instruction count, not HBM, becomes the limit unless it is kept close to bf16's:
+* The e4m3 tiles are converted exactly to q's dtype and the dots are the bf16 path's. A key's
+  scale is a power of two, so it commutes with the dot: (q . k8) * 2^e == q . (k8 * 2^e) and
+  (p * 2^e) . v8 == p . (v8 * 2^e), bit for bit away from the ends of the float range (rounding
+  commutes with a power of two).
+  The scales therefore multiply the [G, BLOCK_N] scores and probabilities, not the [BLOCK_N, d]
+  tiles: d / BLOCK_H times fewer multiplies (the same numbers as kv_fp8.dequantize_tile).
+* V is the B operand of p @ v, which wants each register to hold two consecutive *keys*: for
+  bf16 ldmatrix.trans transposes 16-bit pairs on the way out of shared memory, but Hopper has no
+  8-bit transposing load, so letting Triton convert after that read costs one 1-byte shared load
+  per element. _e4m3_rows converts in the layout the tile was loaded in (an opaque inline-asm
+  op Triton cannot move past the layout change), and the bf16 tile then takes the bf16 route.
+* The scale bytes are 1-byte gathers (a key's bytes for all kv heads are adjacent), too narrow
+  for cp.async, so the software pipeline would leave them synchronous; they are loaded one tile
+  ahead instead, their latency hidden behind the current tile's math.
+FP8 is a constexpr: the bf16 kernel compiles without a trace of it.
 """
 from __future__ import annotations
 
@@ -27,9 +40,8 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.attention_ref import KVScales, check_kv_scales
-from ridge.kernels.kv_fp8 import dequantize_tile, scale_from_bytes
-_EXP = {"FOLD": 0, "WORDS": 0, "WIDE": 0}
+from ridge.kernels.kv_fp8 import KVScales, check_kv_scales
+from ridge.kernels.kv_fp8 import scale_from_bytes
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
 
@@ -45,24 +57,53 @@ def _configs() -> list[triton.Config]:
     # latency; 4 warps suffice because the per-tile math is a thin [16..64, N] x [N, d] GEMM.
     # The set is the autotuner's measured picks and their neighbours (BENCHMARKS.md): compile
     # time per config is paid per tuning bucket while capturing decode graphs, so it stays small.
+    # FP8 adds two 128-key tiles (the same bytes in flight as a bf16 64-key tile); see _prune.
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3))]
+            for bn, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3), (128, 4, 4))]
 
 
 def _prune(configs, named_args, **kwargs):
-    wide = {**named_args, **kwargs}["WIDE"]
-    return [c for c in configs if (c.kwargs["BLOCK_N"] == 128) <= bool(wide)] or configs[:1]
+    """The 128-key tiles are for the FP8 cache only: the bf16 kernel tunes over its measured set."""
+    fp8 = {**named_args, **kwargs}["FP8"]
+    return [c for c in configs if fp8 or c.kwargs["BLOCK_N"] < 128]
 
 
 @triton.jit
-def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, kv_head, stride_ksb, stride_kst, stride_ksh,
-                 stride_vsb, stride_vst, stride_vsh, PAGE: tl.constexpr):
+def _e4m3_rows(x, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """An e4m3 tile -> DTYPE (exact), converted in the register layout it was loaded in.
+
+    As inline asm that claims side effects, the conversion cannot be moved past the layout change
+    into the tensor-core operand (see the module docstring). Four e4m3 bytes per call: the
+    hardware converts pairs to f16 (cvt e4m3x2); bf16 goes on through f32 (exact). ASM is off in
+    the interpreter, which cannot run PTX, and for float32 q.
+    """
+    if ASM and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi, a0, a1, a2, a3; .reg .b32 h0, h1; .reg .f32 f0, f1, f2, f3;"
+            " mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 h0, lo; cvt.rn.f16x2.e4m3x2 h1, hi;"
+            " mov.b32 {a0, a1}, h0; mov.b32 {a2, a3}, h1;"
+            " cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3;"
+            " cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=False, pack=4)
+    elif ASM and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2;"
+            " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                 PAGE: tl.constexpr):
+    """The K and V scales (float32 powers of two) of one kv head's keys k_idx; 0 past `end`."""
     k_ok = k_idx < end
     page = tl.load(bt_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
     row = (k_idx % PAGE).to(tl.int64)
-    ks = tl.load(K_scale + kv_head * stride_ksh + page * stride_ksb + row * stride_kst, mask=k_ok, other=0)
-    vs = tl.load(V_scale + kv_head * stride_vsh + page * stride_vsb + row * stride_vst, mask=k_ok, other=0)
-    return ks, vs
+    ks = tl.load(K_scale + page * stride_ksb + row * stride_kst, mask=k_ok, other=0)
+    vs = tl.load(V_scale + page * stride_vsb + row * stride_vst, mask=k_ok, other=0)
+    return scale_from_bytes(ks), scale_from_bytes(vs)
 
 
 # The best pipeline depth and tile depend on how much each program streams and on how many
@@ -72,9 +113,8 @@ def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, kv_head, stride_ksb, stri
 # would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
 # the compiles that decode-graph capture pays. The picks are kept in Triton's cache beside the
 # compiled kernels (cache_results), so a warm start replays them instead of timing every config.
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "FP8", "FOLD", "WORDS", "WIDE", "work_bucket", "grid_bucket"],
-                 prune_configs_by={"early_config_prune": _prune},
-                 cache_results=True)
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "FP8", "work_bucket", "grid_bucket"],
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_tables, query_start_loc,
                          seq_lens, qk_scale, window, num_splits, work_bucket, grid_bucket,
@@ -83,8 +123,7 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
                          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
-                         FP8: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         FP8: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,8 +151,6 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
     h_ok = offs_h < GROUP
     q = tl.load(Q + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None], other=0.0)
-    if FP8 and FOLD == 2:
-        q = q.to(tl.float16)
     bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
@@ -121,9 +158,11 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    if FP8 and WORDS == 2:
-        ks_n, vs_n = _tile_scales(K_scale, V_scale, bt_row, start + offs_n, end, kv_head, stride_ksb, stride_kst,
-                                  stride_ksh, stride_vsb, stride_vst, stride_vsh, PAGE)
+    if FP8:
+        Ks_h = K_scale + kv_head * stride_ksh
+        Vs_h = V_scale + kv_head * stride_vsh
+        k_next, v_next = _tile_scales(Ks_h, Vs_h, bt_row, start + offs_n, end, stride_ksb, stride_kst,
+                                      stride_vsb, stride_vst, PAGE)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
         k_ok = k_idx < end
@@ -135,44 +174,23 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
                     mask=k_ok[:, None], other=0.0)
         v = tl.load(V_h + page[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
                     mask=k_ok[:, None], other=0.0)
-        if FP8:  # one scale byte per key: [BLOCK_N] bytes beside the [BLOCK_N, d] e4m3 tile
-            if WORDS == 2:
-                ks = ks_n
-                vs = vs_n
-                ks_n, vs_n = _tile_scales(K_scale, V_scale, bt_row, k_idx + BLOCK_N, end, kv_head, stride_ksb,
-                                          stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, PAGE)
-            elif WORDS:
-                kw = tl.load((K_scale + (kv_head // 4) * 4 + page * stride_ksb + row * stride_kst).to(tl.pointer_type(tl.int32)),
-                             mask=k_ok, other=0)
-                vw = tl.load((V_scale + (kv_head // 4) * 4 + page * stride_vsb + row * stride_vst).to(tl.pointer_type(tl.int32)),
-                             mask=k_ok, other=0)
-                ks = (kw >> ((kv_head % 4) * 8)) & 0xFF
-                vs = (vw >> ((kv_head % 4) * 8)) & 0xFF
-            else:
-                ks = tl.load(K_scale + kv_head * stride_ksh + page * stride_ksb + row * stride_kst,
-                             mask=k_ok, other=0)
-                vs = tl.load(V_scale + kv_head * stride_vsh + page * stride_vsb + row * stride_vst,
-                             mask=k_ok, other=0)
-            if FOLD == 2:
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-            elif FOLD:
-                k = k.to(Q.dtype.element_ty)
-                v = v.to(Q.dtype.element_ty)
-            else:
-                k = dequantize_tile(k, ks, Q.dtype.element_ty)
-                v = dequantize_tile(v, vs, Q.dtype.element_ty)
+        if FP8:  # this tile's scales were fetched last iteration; fetch the next tile's
+            k_sc, v_sc = k_next, v_next
+            k_next, v_next = _tile_scales(Ks_h, Vs_h, bt_row, k_idx + BLOCK_N, end, stride_ksb, stride_kst,
+                                          stride_vsb, stride_vst, PAGE)
+            k = k.to(Q.dtype.element_ty)
+            v = _e4m3_rows(v, Q.dtype.element_ty, ASM)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
-        if FP8 and FOLD:
-            qk = qk * scale_from_bytes(ks)[None, :]
+        if FP8:
+            qk = qk * k_sc[None, :]
         qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile may be fully masked
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 and FOLD:
-            p = p * scale_from_bytes(vs)[None, :]
+        if FP8:
+            p = p * v_sc[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -294,7 +312,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *ks.stride()[:3], *vs.stride()[:3],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         SLIDING=sliding_window is not None, DIRECT=num_splits == 1, FP8=scales is not None,
-        FOLD=_EXP["FOLD"], WORDS=_EXP["WORDS"], WIDE=_EXP["WIDE"],
+        ASM=not _INTERPRET and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, **launch_options(pdl))
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](

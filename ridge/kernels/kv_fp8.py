@@ -40,23 +40,32 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8
 
 
-def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales, who: str) -> bool:
-    """Whether the caches are FP8; an FP8 cache needs its scale bytes [pages, page, kv heads] (uint8),
-    and a 16/32-bit cache takes none. Anything else is a ValueError naming the problem."""
-    fp8 = is_fp8_cache(k_cache)
-    if fp8 != is_fp8_cache(v_cache):
-        raise ValueError(f"{who}: k_cache and v_cache must both be FP8 or neither, got {k_cache.dtype} and {v_cache.dtype}")
-    if not fp8:
+KVScales = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_scales: KVScales | None) -> KVScales | None:
+    """kv_scales if the caches are FP8 (validated), None if they are not; ValueError otherwise."""
+    fp8 = is_fp8_cache(k_cache), is_fp8_cache(v_cache)
+    if fp8[0] != fp8[1]:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
+    if not fp8[0]:
         if kv_scales is not None:
-            raise ValueError(f"{who}: kv_scales are for an FP8 cache; this cache is {k_cache.dtype}")
-        return False
-    if kv_scales is None or len(kv_scales) != 2:
-        raise ValueError(f"{who}: an FP8 cache needs kv_scales=(k_scale, v_scale), uint8 [pages, page, kv heads]")
-    for name, s in zip(("k_scale", "v_scale"), kv_scales):
-        if s.dtype != SCALE_DTYPE or tuple(s.shape) != tuple(k_cache.shape[:3]) or s.stride(-1) != 1:
-            raise ValueError(f"{who}: {name} must be uint8 {list(k_cache.shape[:3])} with a contiguous last dim, "
-                             f"got {s.dtype} {list(s.shape)}")
-    return True
+            raise ValueError(f"kv_scales given for a {k_cache.dtype} cache: only an FP8 cache has scales")
+        return None
+    if kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales=(k_scale, v_scale), uint8 [pages, page, kv_heads]")
+    if len(kv_scales) != 2:
+        raise ValueError(f"kv_scales must be the pair (k_scale, v_scale), got {len(kv_scales)} tensors")
+    for name, s, cache in zip(("k_scale", "v_scale"), kv_scales, (k_cache, v_cache)):
+        if s.dtype != SCALE_DTYPE:
+            raise ValueError(f"{name} must be uint8 (e8m0 scale bytes), got {s.dtype}")
+        if s.shape != cache.shape[:3]:
+            raise ValueError(f"{name} shape {tuple(s.shape)} must be the cache's [pages, page, kv_heads] "
+                             f"{tuple(cache.shape[:3])}")
+        if s.device != cache.device:
+            raise ValueError(f"{name} is on {s.device}, the cache on {cache.device}")
+    return kv_scales[0], kv_scales[1]
 
 
 def scale_bytes_of(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.attention_ref import KVScales, check_kv_scales
+from ridge.kernels.kv_fp8 import KVScales, check_kv_scales
 from ridge.kernels.kv_fp8 import dequantize_tile
 
 _INTERPRET = triton.knobs.runtime.interpret

@@ -112,7 +112,7 @@ def _quantize(x, scale_bytes, EMULATE_RNE: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
-                  CacheRow, stride_ch, ScaleRow, to_cache, Signs, rsqrt_d,
+                  CacheRow, stride_ch, ScaleRow, stride_sh, to_cache, Signs, rsqrt_d,
                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -152,7 +152,7 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
                     scale_bytes = scale_bytes_from_amax(_row_amax(r, row_mask))
                     rq, r32 = _quantize(r, scale_bytes, EMULATE_RNE)
                     tl.store(CacheRow + h * stride_ch + dd, rq, mask=row_mask & to_cache)
-                    tl.store(ScaleRow + heads, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
+                    tl.store(ScaleRow + heads * stride_sh, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
                     r = r32.to(OUT)
                 else:
                     tl.store(CacheRow + h * stride_ch + dd, r.to(CacheRow.dtype.element_ty), mask=row_mask & to_cache)
@@ -163,7 +163,7 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
                     scale_bytes = scale_bytes_from_amax(tl.maximum(_row_amax(o1, mask), _row_amax(o2, mask)))
                     q1, o1_32 = _quantize(o1, scale_bytes, EMULATE_RNE)
                     q2, o2_32 = _quantize(o2, scale_bytes, EMULATE_RNE)
-                    tl.store(ScaleRow + heads, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
+                    tl.store(ScaleRow + heads * stride_sh, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
                     o1, o2 = o1_32.to(OUT), o2_32.to(OUT)
                 else:
                     q1, q2 = o1.to(CacheRow.dtype.element_ty), o2.to(CacheRow.dtype.element_ty)
@@ -180,7 +180,7 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
                           stride_qot, stride_qoh, stride_qod, stride_kot, stride_koh, stride_kod,
                           stride_vot, stride_voh, stride_cp, stride_cd, stride_sp, stride_sd,
                           stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                          stride_ksb, stride_kst, stride_vsb, stride_vst,
+                          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                           HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                           BLOCK_KVH: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
@@ -204,10 +204,10 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
     cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
     _rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
-                  QOut, 0, QOut, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
+                  QOut, 0, QOut, 0, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
                   ROTATE, PRECISION)
     _rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
-                  k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), to_cache, Signs,
+                  k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), stride_ksh, to_cache, Signs,
                   rsqrt_d, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True, FP8, ROTATE, PRECISION)
     v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)
     if FP8:
@@ -216,7 +216,7 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
         vq, v32 = _quantize(v, scale_bytes, EMULATE_RNE)
         tl.store(v_row + hv * stride_vch + dv, vq, mask=v_mask)
         heads = tl.arange(0, BLOCK_KVH)
-        tl.store(slot_row(VScale, slot, stride_vsb, stride_vst, PAGE) + heads, scale_bytes.to(tl.uint8),
+        tl.store(slot_row(VScale, slot, stride_vsb, stride_vst, PAGE) + heads * stride_vsh, scale_bytes.to(tl.uint8),
                  mask=(heads < HK) & to_cache)
         tl.store(VOut + tok * stride_vot + hv * stride_voh + dv, v32.to(VOut.dtype.element_ty), mask=v_ok)
     else:
@@ -267,7 +267,7 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         raise ValueError("rope_write_kv needs caches whose last dim is contiguous")
     if slot_mapping.shape != (tokens,):
         raise ValueError(f"rope_write_kv: slot_mapping must be [T={tokens}], got {tuple(slot_mapping.shape)}")
-    fp8 = check_kv_scales(k_cache, v_cache, kv_scales, "rope_write_kv")
+    fp8 = check_kv_scales(k_cache, v_cache, kv_scales) is not None
     if rotation is not None and (rotation.shape != (head_dim, head_dim) or head_dim & (head_dim - 1)):
         raise ValueError(f"rope_write_kv: rotation must be [{head_dim}, {head_dim}] with head_dim a power of two, "
                          f"got {tuple(rotation.shape)}")
@@ -284,7 +284,7 @@ def rope_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q, k, v, q_out, k_out, v_out, positions, cos, sin, k_cache, v_cache, k_scale, v_scale, slot_mapping, signs,
         head_dim ** -0.5, *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_out.stride(),
         *v_out.stride()[:2], *cos.stride(), *sin.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *k_scale.stride()[:2], *v_scale.stride()[:2],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *k_scale.stride()[:3], *v_scale.stride()[:3],
         HQ=q_heads, HK=k_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
         BLOCK_KVH=triton.next_power_of_2(k_heads), EMULATE_RNE=emulate_rne(q), PDL=pdl,
