@@ -268,3 +268,18 @@ def test_weight_and_scale_in_different_shards(sources, tmp_path):
         json.dump(index, f)
     fp8_checkpoint(sources["ragged"], str(tmp_path / "whole"))
     assert torch.equal(logits_of(path, [[5, 6, 7]]), logits_of(str(tmp_path / "whole"), [[5, 6, 7]]))
+
+
+def test_quantization_fp8_on_an_fp8_checkpoint_keeps_its_e4m3_weights(sources, tmp_path):
+    """An HF fp8 checkpoint with 128 x 128 blocks under --quantization fp8: loaded dequantized, then
+    quantized again, it runs on exactly the checkpoint's e4m3 values (each block's maximum is 448 x
+    its scale, so quantizing again gives the same bits) and its scales to fp32 rounding."""
+    path = str(tmp_path / "fp8")
+    fp8_checkpoint(sources["whole"], path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=64, kv_cache_memory=4 << 20, quantization="fp8")
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    name = "model.layers.0.mlp.down_proj"
+    assert torch.equal(down.weight_fp8.view(torch.uint8), tensors[f"{name}.weight"].view(torch.uint8))
+    # the scales come back to within fp32 rounding (448 / (448 x s) then its inverse)
+    torch.testing.assert_close(down.weight_scale_inv, tensors[f"{name}.weight_scale_inv"], rtol=1e-6, atol=0)

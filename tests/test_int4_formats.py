@@ -271,8 +271,10 @@ def test_quantization_setting_selects_or_refuses(built):
     for path, setting, error in cases:
         with pytest.raises(ValueError, match=error):
             engine(path, quantization=setting)
-    with pytest.raises(ValueError, match=r"^quantization: must be one of awq, gptq, compressed-tensors, int4"):
-        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match=r"^quantization: must be one of awq, gptq, compressed-tensors, int4, fp8"):
+        EngineConfig(quantization="fp16")
+    with pytest.raises(ValueError, match=r"quantization: 'fp8' quantizes a float checkpoint at load"):
+        engine(awq, quantization="fp8")
 
 
 @pytest.mark.parametrize("qc, error", [
