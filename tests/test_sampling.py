@@ -90,6 +90,14 @@ def test_filters_top_k_top_p_min_p():
     assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
 
 
+def test_top_p_one_keeps_the_far_tail():
+    """top_p = 1 is off: a token of probability 1e-9 stays although the float32 mass before it
+    rounds to 1."""
+    probs = torch.tensor([[1.0 - 3e-9, 1e-9, 1e-9, 1e-9]])
+    assert (filter_probs(probs, _batch(1, 4)) > 0).all()
+    assert (filter_probs(probs, _batch(1, 4, top_p=torch.tensor([0.999]))) > 0).tolist() == [[True, False, False, False]]
+
+
 def test_penalties_follow_transformers_and_openai():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5]])
