@@ -40,7 +40,8 @@ BAD = [
     ("async_scheduling", None),
     ("attention_backend", "flash"), ("attention_backend", None),
     ("load_format", "pt"),
-    ("quantization", "fp8"), ("quantization", 4),
+    ("quantization", "fp16"), ("quantization", 4),
+    ("kv_cache_dtype", "fp8_e5m2"), ("kv_cache_dtype", None), ("kv_cache_hadamard", 1), ("kv_cache_hadamard", "yes"),
 ]
 
 
