@@ -12,8 +12,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from ridge.kernels.fp8_gemm import (FP8, FP8_MAX, fp8_gemm, fp8_gemm_ref, quantize_act_fp8,  # noqa: E402
-                                    quantize_act_fp8_ref)
+from ridge.kernels.fp8_gemm import (FP8, FP8_MAX, cublas_fp8_gemm, fp8_gemm, fp8_gemm_ref,  # noqa: E402
+                                    quantize_act_fp8, quantize_act_fp8_ref)
 from ridge.layers.quant.fp8 import quantize_fp8_block  # noqa: E402
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU-tensor kernel tests run under TRITON_INTERPRET=1")
@@ -111,7 +111,6 @@ def test_gpu_8b_shapes(m):
             y = fp8_gemm(q, s, wq, ws, **cfg).float()
             assert ((y - ref).abs() <= 2.0**-8 * ref.abs() + 2.0**-12 * products).all(), (seed, cfg)
             if m >= 64:   # and the cuBLAS path the engine may dispatch to computes the same product
-                from ridge.kernels.fp8_gemm import cublas_fp8_gemm
                 yc = cublas_fp8_gemm(q, s, wq, ws).float()
                 assert ((yc - ref).abs() <= 2.0**-8 * ref.abs() + 2.0**-12 * products).all(), (seed, "cublas")
 

@@ -256,9 +256,8 @@ def cache_path(device: torch.device | str) -> str:
 def load_ceilings(device: torch.device | str = "cpu", remeasure: bool = False) -> Ceilings:
     """The device's ceilings from the cache, measured (and cached) on first use or when asked."""
     device = torch.device(device)
-    raw = cached(cache_path(device), CACHE_VERSION, lambda: measure_ceilings(device).to_dict(), remeasure)
+    path, measure = cache_path(device), lambda: measure_ceilings(device).to_dict()
     try:
-        return Ceilings.from_dict(raw)
+        return Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure))
     except (KeyError, TypeError, ValueError):       # a cache of an older layout: measure again
-        return Ceilings.from_dict(cached(cache_path(device), CACHE_VERSION,
-                                         lambda: measure_ceilings(device).to_dict(), remeasure=True))
+        return Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure=True))

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ridge.kernels.fp8_gemm import cublas_fp8_gemm, fp8_gemm, quantize_act_fp8
-from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
+from ridge.kernels.gemv import gemv
+from ridge.layers.linear import uses_gemv
 from ridge.utils.device_cache import cache_root, cached, device_key
 
 BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -57,7 +58,8 @@ def fp8_matmul(path: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -
 
 
 def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return gemv(x, w) if x.shape[0] <= GEMV_MAX_ROWS else F.linear(x, w)
+    """The float Linear's path: ridge's GEMV where Linear.forward takes it, else cuBLAS."""
+    return gemv(x, w) if uses_gemv(x, w) else F.linear(x, w)
 
 
 def _time_us(fn, reps: int = 7, calls: int = 3) -> float:
