@@ -27,12 +27,13 @@
 #   fp8-attn       benchmarks/attention.py --only decode --kv-cache-dtype both: decode attention over an FP8
 #                  cache vs bf16 at the issue's shapes (B=32 L=4k, B=128 L=2k) -> attention_fp8.json
 #   fp8-quality    the FP8 quality contract on the demo model: ridge eval-ppl (bf16; --compare bf16: KL) of FP8
-#                  weights, FP8 KV, FP8 KV + Hadamard -> fp8_quality.json (FP8 KV is refused on CUDA until
-#                  tests/test_rope_kv_fp8.py's GPU checks pass and the guard in ridge/config.py is lifted)
+#                  weights, FP8 KV, FP8 KV + Hadamard -> fp8_quality.json
 #   fp8-e2e        the 8B shape (config only, dummy weights): TTFT of a 4096-token prompt, bf16 vs
 #                  --quantization fp8 (its GEMM dispatch timed at load, cached); decode b1/b64 -> lat_fp8_*.json,
 #                  fp8_dispatch.json (the dispatch tables: every path's time per bucket)
-#   fp8-roofline   ridge roofline on the 8B shape with --quantization fp8 -> roofline_fp8.{md,json}
+#   fp8-throughput the 8B shape (config only, dummy weights), offline throughput of 256 requests (1024 prompt +
+#                  256 output tokens) in a 16 GiB KV budget, bf16 KV vs --kv-cache-dtype fp8 -> tput_kv_{bf16,fp8}.json
+#   fp8-roofline   ridge roofline on the 8B shape with --quantization fp8 --kv-cache-dtype fp8 -> roofline_fp8.{md,json}
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
 #                  .whl/, carried, installed to /tmp/site when present)
@@ -47,10 +48,11 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-roofline,serve-load
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,serve-load
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
-              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py"}
+              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
+              tests/test_attention_fp8.py tests/test_rope_kv_fp8.py"}
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -157,8 +159,13 @@ part fp8-e2e 150 540 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset l
       | grep -E 'decode tokens/s' | sed \"s/^/fp8 b=\$b  /\"; done; \
   python3 -c 'import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in \
     glob.glob(os.path.expanduser(\"~/.cache/ridge/fp8/*.json\"))}, open(sys.argv[1], \"w\"))' $OUT/fp8_dispatch.json"
+part fp8-throughput 200 400 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  for kv in bf16 fp8; do python3 -m ridge bench throughput --model $CFG8B --load-format dummy \
+      \$( [ \$kv = fp8 ] && echo --kv-cache-dtype fp8 ) --num-prompts 256 --input-len 1024 --output-len 256 --ignore-eos \
+      --max-num-seqs 256 --kv-cache-memory 17179869184 --no-progress --json $OUT/tput_kv_\${kv}.json 2>&1 \
+      | grep -E 'tokens/s' | sed \"s/^/kv \$kv  /\"; done"
 part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
-  python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization fp8 --batch 1 64 \
+  python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --batch 1 64 \
     --context 2048 --prefill-len 4096 --out /tmp/roofline-fp8 2>&1 | grep -v -i warn | tail -40 && \
   cp /tmp/roofline-fp8/report.md $OUT/roofline_fp8.md && cp /tmp/roofline-fp8/report.json $OUT/roofline_fp8.json"
 part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"

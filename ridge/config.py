@@ -270,11 +270,6 @@ class EngineConfig:
             # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
             raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
                              f"(use attention_backend='torch' or 'auto')")
-        if self.fp8_kv_cache and dev.type == "cuda":
-            raise ValueError("kv_cache_dtype: 'fp8' is refused on CUDA for now: on an H100 the demo model's held-out "
-                             "perplexity with an FP8 cache came out 6961 against 10.67 (BENCHMARKS.md, 2026-11-25), "
-                             "a fault in the GPU path not yet found; the CPU path (torch and the kernels under "
-                             "TRITON_INTERPRET) is checked")
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
                                    max_model_len=max_len), model_cfg
 

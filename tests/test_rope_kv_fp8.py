@@ -149,8 +149,6 @@ def test_gpu_fp8_write(dims, rotate):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="EngineConfig refuses an FP8 KV cache on CUDA until this "
-                   "check passes (the demo model's GPU perplexity with it was 6961); lift both together")
 def test_gpu_demo_model_fp8_kv_logprobs_match_the_torch_backend():
     """The demo model's prompt log-probabilities over an FP8 cache: the Triton kernels and the
     torch reference backend (same cache format) agree, and stay near the bf16 cache's."""

@@ -52,7 +52,7 @@ from ridge.kernels.attention_ref import write_kv_ref
 from ridge.kernels.kv_fp8 import (check_kv_scales, dequantize_rows_ref, inverse_scale_from_bytes,
                                   quantize_rows_ref, scale_bytes_from_amax, scale_from_bytes)
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
-from ridge.kernels.rounding import emulate_rne, round_to
+from ridge.kernels.rounding import e4m3_grid, emulate_rne, round_to
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +104,12 @@ def _row_amax(x, mask):
 
 
 @triton.jit
-def _quantize(x, scale_bytes, EMULATE_RNE: tl.constexpr):
-    """x [R, C] -> (e4m3 rows, their dequantized fp32 values) under the rows' scale bytes."""
-    q = round_to(x.to(tl.float32) * inverse_scale_from_bytes(scale_bytes)[:, None], tl.float8e4nv, EMULATE_RNE)
-    return q, q.to(tl.float32) * scale_from_bytes(scale_bytes)[:, None]
+def _quantize(x, scale_bytes):
+    """x [R, C] -> (e4m3 rows, their dequantized fp32 values) under the rows' scale bytes. The
+    rounding is done on the fp32 grid (rounding.e4m3_grid), so the e4m3 conversion is exact and the
+    dequantized values come from the rounded fp32, not from converting e4m3 back."""
+    r = e4m3_grid(x.to(tl.float32) * inverse_scale_from_bytes(scale_bytes)[:, None])
+    return r.to(tl.float8e4nv), r * scale_from_bytes(scale_bytes)[:, None]
 
 
 @triton.jit
@@ -150,7 +152,7 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
             if TO_CACHE:
                 if FP8:
                     scale_bytes = scale_bytes_from_amax(_row_amax(r, row_mask))
-                    rq, r32 = _quantize(r, scale_bytes, EMULATE_RNE)
+                    rq, r32 = _quantize(r, scale_bytes)
                     tl.store(CacheRow + h * stride_ch + dd, rq, mask=row_mask & to_cache)
                     tl.store(ScaleRow + heads * stride_sh, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
                     r = r32.to(OUT)
@@ -161,8 +163,8 @@ def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride
             if TO_CACHE:
                 if FP8:
                     scale_bytes = scale_bytes_from_amax(tl.maximum(_row_amax(o1, mask), _row_amax(o2, mask)))
-                    q1, o1_32 = _quantize(o1, scale_bytes, EMULATE_RNE)
-                    q2, o2_32 = _quantize(o2, scale_bytes, EMULATE_RNE)
+                    q1, o1_32 = _quantize(o1, scale_bytes)
+                    q2, o2_32 = _quantize(o2, scale_bytes)
                     tl.store(ScaleRow + heads * stride_sh, scale_bytes.to(tl.uint8), mask=(heads < H) & to_cache)
                     o1, o2 = o1_32.to(OUT), o2_32.to(OUT)
                 else:
@@ -213,7 +215,7 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
     if FP8:
         # every row, padding included, gets its dequantized v: attention reads it like the cache's
         scale_bytes = scale_bytes_from_amax(_row_amax(v, v_ok))
-        vq, v32 = _quantize(v, scale_bytes, EMULATE_RNE)
+        vq, v32 = _quantize(v, scale_bytes)
         tl.store(v_row + hv * stride_vch + dv, vq, mask=v_mask)
         heads = tl.arange(0, BLOCK_KVH)
         tl.store(slot_row(VScale, slot, stride_vsb, stride_vst, PAGE) + heads * stride_vsh, scale_bytes.to(tl.uint8),

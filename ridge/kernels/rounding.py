@@ -27,13 +27,24 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
             # then drop the 16 low bits: the bf16 value is now exact in fp32
             bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
-        elif DTYPE == tl.float8e4nv:     # |x| <= 448 (callers clamp); the interpreter's converter
-            # also mis-rounds values that carry into the next binade (124.3 -> 64): round first
-            bits = x.to(tl.uint32, bitcast=True)
-            normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
-            sub = (x + 24576.0) - 24576.0        # below 2^-6 the e4m3 step is 2^-9: 1.5 x 2^14 rounds to it
-            x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        elif DTYPE == tl.float8e4nv:     # the interpreter's converter mis-rounds values that carry
+            x = e4m3_grid(x)                 # into the next binade (124.3 -> 64): round first
     return x.to(DTYPE)
+
+
+@triton.jit
+def e4m3_grid(x):
+    """The fp32 tensor x (|x| <= 448) rounded to the nearest e4m3 value (ties to even), as fp32:
+    integer arithmetic on the bits, the same on every backend. Converting the result to e4m3 is
+    exact, and multiplying it by a scale gives the dequantized value without converting e4m3
+    back: the FP8 KV write needs that value too, and Triton 3.6 compiles an fp32 -> e4m3 -> fp32
+    round trip inside one kernel wrongly on Hopper (two of every four elements come back as a
+    constant pair; tests/test_rope_kv_fp8.py's GPU check)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # keep 3 mantissa bits: add just under half a step, plus one if the kept lsb is odd
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = (x + 24576.0) - 24576.0        # below 2^-6 the e4m3 step is 2^-9: 1.5 x 2^14 rounds to it
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
 
 
 def emulate_rne(t) -> bool:
