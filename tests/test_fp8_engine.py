@@ -102,3 +102,17 @@ def test_gpu_dispatch_table_times_every_path(tmp_path, monkeypatch):
                 got = fp8_matmul(path, x, wq, ws).float()
                 want = fp8_gemm_ref(*quantize_act_fp8_ref(x), wq, ws, torch.float32)
                 assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (m, path)
+
+
+def test_cost_follows_the_dispatch():
+    """The roofline reads a layer's bytes from the path its dispatch runs for the step's rows: FP8
+    blocks where an FP8 GEMM runs, the float weight where the measured table picked bf16."""
+    from ridge.layers.cost import StepShape
+    from ridge.layers.quant.fp8_linear import Fp8Config
+    layer = Linear(256, 128, quant=Fp8Config())
+    layer.weight.data.normal_(0, 0.02)
+    layer.quant_method.finish_loading(layer)
+    layer.quant_method.paths = {b: "bf16" if b <= 4 else "cublas" for b in BUCKETS}
+    small, large = (StepShape((1,) * m, (9,) * m, dtype=torch.float32) for m in (1, 64))
+    assert layer.weight_precision(small).bytes == 4 and layer.weight_precision(large).name == "fp8-block128"
+    assert layer.cost(large)[-1].param_bytes == 128 * 256 * (1 + 4 / 128 ** 2)

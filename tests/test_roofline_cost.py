@@ -260,7 +260,7 @@ def test_a_new_layer_type_brings_its_cost_with_it():
     from ridge.layers.linear import Linear
 
     class Int4Linear(Linear):
-        def weight_precision(self, step):
+        def weight_precision(self, step, rows=None):
             return Precision("int4", 0.5 + 2 / 128, "bf16")
 
     class ToyExperts(nn.Module):

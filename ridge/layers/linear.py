@@ -96,16 +96,20 @@ class Linear(nn.Module):
             return gemv(x, self.weight, self.bias, act=act)
         return F.linear(x, self.weight, self.bias)
 
-    def weight_precision(self, step: StepShape) -> Precision:
-        """The step's what-if format, else its own: INT4 with its group scales, or its dtype."""
+    def weight_precision(self, step: StepShape, rows: int | None = None) -> Precision:
+        """The step's what-if format, else its own for `rows` rows: INT4 with its group scales, FP8
+        blocks (or bf16 where its dispatch runs the bf16 weight), or its dtype."""
         if step.weights is not None:
             return step.weights
-        return self.quant_method.precision(step.act) if self.quant_method is not None else precision_of(self.weight.dtype)
+        rows = step.num_tokens if rows is None else rows
+        return self.quant_method.precision(step.act, rows) if self.quant_method is not None else \
+            precision_of(self.weight.dtype)
 
     def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
              name: str = "linear") -> list[OpCost]:
         """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
         the input activation's ops first (they run inside this forward, or inside the GEMV)."""
+        rows = step.num_tokens if rows is None else rows
         act = self.input_act.cost(step, self.in_features) if self.input_act is not None else []
-        return act + [gemm_cost(name, step.num_tokens if rows is None else rows, (self.out_features, self.in_features),
-                                self.bias, self.weight_precision(step), step, out_bytes)]
+        return act + [gemm_cost(name, rows, (self.out_features, self.in_features),
+                                self.bias, self.weight_precision(step, rows), step, out_bytes)]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
-from ridge.layers.cost import Precision
+from ridge.layers.cost import Precision, precision_of
 from ridge.layers.quant.fp8 import quantize_fp8_block
 from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul
 
@@ -34,12 +34,14 @@ class Fp8Linear:
 
     def __init__(self, layer: nn.Module):
         self.paths: dict[int, str] | None = None       # bucket -> path; None: the CPU reference
+        self.float_dtype = torch.bfloat16               # the float weight's, kept for "bf16" buckets
         layer.register_buffer("weight_fp8", None)
         layer.register_buffer("weight_scale_inv", None)
 
     @torch.no_grad()
     def finish_loading(self, layer) -> None:
         w = layer.weight.data
+        self.float_dtype = w.dtype
         layer.weight_fp8, layer.weight_scale_inv = quantize_fp8_block(w)
         if w.is_cuda:
             self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv)
@@ -67,6 +69,9 @@ class Fp8Linear:
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def precision(self, act: Precision) -> Precision:
-        """One byte a weight plus an fp32 scale per 128 x 128 block; FP8 tensor-core FLOPs."""
+    def precision(self, act: Precision, rows: int) -> Precision:
+        """One byte a weight plus an fp32 scale per 128 x 128 block, FP8 tensor-core FLOPs; the bf16
+        weight's where the dispatch runs it for this many rows."""
+        if self.path(rows) == "bf16":
+            return precision_of(self.float_dtype)
         return Precision("fp8-block128", 1 + 4 / 128**2, compute="fp8")

@@ -336,7 +336,7 @@ class Int4Linear:
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def precision(self, act: Precision) -> Precision:
+    def precision(self, act: Precision, rows: int) -> Precision:
         """Half a byte a weight, plus a scale and a zero point (activation dtype) per group of G."""
         g = self.group_size
         return Precision(f"int4-g{g}", 0.5 + 2 * act.bytes / g, compute=act.compute)
