@@ -18,7 +18,7 @@ warm-up, so kernel boundaries cost what they cost inside a decode graph (cuBLAS'
 kernels included). The calls rotate through enough weight copies that the copies together exceed
 twice the L2 (a weight is never re-read from L2), and through fresh random inputs (torch.randn).
 GB/s = (weight + x + y bytes) / time; frac = that / the device's copy bandwidth, measured in the
-same run (ridge.roofline.ceilings.measure_bandwidth: a 1 GiB device copy, read + written).
+same run (ridge.utils.ceilings.measure_bandwidth: a 1 GiB device copy, read + written).
 `ridge/cuBLAS` is the ratio of times (< 1: ridge is faster). err = max |y - ref| / max |ref|
 against an fp32 reference on the same bf16 inputs (silu in fp32, unrounded).
 

@@ -156,7 +156,7 @@ def copy_bandwidth_gbps() -> float:
     measurement): every benchmark's fraction of the ceiling divides by this."""
     import torch
 
-    from ridge.roofline.ceilings import measure_bandwidth
+    from ridge.utils.ceilings import measure_bandwidth
     return measure_bandwidth(torch.device("cuda"))[0] / 1e9
 
 

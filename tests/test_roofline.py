@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ridge.config import ModelConfig
-from ridge.roofline.ceilings import Ceilings, load_ceilings
+from ridge.utils.ceilings import Ceilings, load_ceilings
 from ridge.layers.cost import OpCost
 from ridge.roofline.costs import decode_shape, op_costs, prefill_shape, step_costs
 from ridge.roofline.diagnose import LABELS, classify, diagnose_step
@@ -179,7 +179,7 @@ def test_a_new_layer_type_is_timed_by_its_own_cost_name(tiny_llm, roofline_env):
 
 
 def test_ceilings_cache(roofline_env, monkeypatch, tmp_path):
-    import ridge.roofline.ceilings as ce
+    import ridge.utils.ceilings as ce
 
     monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
     made = []

@@ -10,7 +10,7 @@ import torch
 from ridge.config import ModelConfig
 from ridge.layers.attention import attention_keys_read, attention_pairs
 from ridge.layers.cost import StepShape
-from ridge.roofline.ceilings import Ceilings
+from ridge.utils.ceilings import Ceilings
 from ridge.roofline.costs import (PRECISIONS, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
                                   step_costs, utilization)
 from ridge.roofline.predict import launch_floor_s, predict, predicted_step_s

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ridge.config import ModelConfig
-from ridge.roofline.ceilings import Ceilings
+from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost
 from ridge.roofline.costs import decode_shape, prefill_shape, step_costs
 from ridge.roofline.diagnose import BOUND_FRACTION, LAUNCH_BOUND_FACTOR, classify, diagnose_step

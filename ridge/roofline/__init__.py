@@ -14,7 +14,7 @@ import importlib
 
 _EXPORTS = {
     "run_roofline": "api", "build_llm": "api",
-    "Ceilings": "ceilings", "load_ceilings": "ceilings", "measure_ceilings": "ceilings",
+    "Ceilings": "ceilings", "load_ceilings": "ceilings", "measure_ceilings": "ceilings",   # ridge/utils/ceilings.py
     "OpCost": "costs", "StepShape": "costs", "PRECISIONS": "costs", "Format": "costs", "format_of": "costs",
     "matrix_compute": "costs", "op_costs": "costs", "parameter_bytes": "costs", "step_costs": "costs", "step_shape": "costs", "utilization": "costs",
     "OpRow": "diagnose", "StepReport": "diagnose", "classify": "diagnose", "diagnose_step": "diagnose",
@@ -27,5 +27,7 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"ridge.roofline.{_EXPORTS[name]}"), name)
+        module = _EXPORTS[name]
+        package = "ridge.utils" if module == "ceilings" else "ridge.roofline"
+        return getattr(importlib.import_module(f"{package}.{module}"), name)
     raise AttributeError(f"module 'ridge.roofline' has no attribute {name!r}")

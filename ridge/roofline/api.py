@@ -8,7 +8,7 @@ import torch
 
 from ridge.config import EngineConfig, ModelConfig, model_dir, resolve_device, resolve_dtype
 from ridge.layers.linear import Linear
-from ridge.roofline.ceilings import load_ceilings
+from ridge.utils.ceilings import load_ceilings
 from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
 from ridge.roofline.measure import build_decode, build_prefill, fill_kv_pool, release, time_engine_step

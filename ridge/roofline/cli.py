@@ -57,7 +57,7 @@ def _command_line() -> str | None:
 def cmd_roofline(a: argparse.Namespace) -> int:
     import torch
 
-    from ridge.roofline.ceilings import cache_path, load_ceilings
+    from ridge.utils.ceilings import cache_path, load_ceilings
     from ridge.roofline.predict import DEFAULT_BATCHES, DEFAULT_PRECISIONS
     from ridge.roofline.report import ceilings_line, datasheet_line, format_terminal
     from ridge.roofline.api import run_roofline

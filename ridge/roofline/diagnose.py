@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ridge.roofline.ceilings import Ceilings
+from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
 from ridge.roofline.costs import matrix_compute, utilization
 from ridge.roofline.predict import launch_floor_s, launches_s

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ridge.config import DEFAULT_CPU_KV_BYTES, ModelConfig
-from ridge.roofline.ceilings import Ceilings
+from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
 from ridge.roofline.costs import (PRECISIONS, Format, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
                                   step_costs)

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from ridge.roofline.ceilings import Ceilings
+from ridge.utils.ceilings import Ceilings
 from ridge.roofline.diagnose import BOUND_FRACTION, LAUNCH_BOUND_FACTOR, StepReport
 from ridge.roofline.predict import PredictionRow
 
