@@ -31,9 +31,15 @@
 #   fp8-e2e        the 8B shape (config only, dummy weights): TTFT of a 4096-token prompt, bf16 vs
 #                  --quantization fp8 (its GEMM dispatch timed at load, cached); decode b1/b64 -> lat_fp8_*.json,
 #                  fp8_dispatch.json (the dispatch tables: every path's time per bucket)
-#   fp8-throughput the 8B shape (config only, dummy weights), offline throughput of 256 requests (1024 prompt +
+#   fp8-throughput  the 8B shape (config only, dummy weights), offline throughput of 256 requests (1024 prompt +
 #                  256 output tokens) in a 16 GiB KV budget, bf16 KV vs --kv-cache-dtype fp8 -> tput_kv_{bf16,fp8}.json
 #   fp8-roofline   ridge roofline on the 8B shape with --quantization fp8 --kv-cache-dtype fp8 -> roofline_fp8.{md,json}
+#   spec-demo      benchmarks/spec_decode.py demo: the demo pair (and n-gram) on held-out stdlib prompts, batch 1:
+#                  acceptance, mean accepted length per k, tokens/s against plain decoding -> spec_demo.json
+#   spec-verify    benchmarks/spec_decode.py verify on the 8B shape (dummy weights): a verify step (k + 1 tokens a
+#                  sequence) against a plain decode step, k = 1..8, batch 1/8/32/64 -> spec_verify.json
+#   spec-oracle    benchmarks/spec_decode.py oracle on the 8B shape: tokens/s with a proposer of set acceptance
+#                  alpha against plain decoding, batch 1 and 64 (SPEC_ARGS passes flags) -> spec_oracle.json
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
 #                  .whl/, carried, installed to /tmp/site when present)
@@ -48,7 +54,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,serve-load
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
@@ -168,6 +174,12 @@ part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --pre
   python3 -m ridge roofline --model $CFG8B --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --batch 1 64 \
     --context 2048 --prefill-len 4096 --out /tmp/roofline-fp8 2>&1 | grep -v -i warn | tail -40 && \
   cp /tmp/roofline-fp8/report.md $OUT/roofline_fp8.md && cp /tmp/roofline-fp8/report.json $OUT/roofline_fp8.json"
+part spec-demo 60 300 "python3 benchmarks/spec_decode.py demo --json $OUT/spec_demo.json 2>&1 | grep -v -i warn"
+part spec-verify 90 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy --json $OUT/spec_verify.json 2>&1 | grep -v -i warn"
+part spec-oracle 120 400 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  python3 benchmarks/spec_decode.py oracle --model $CFG8B --load-format dummy --batches 1 64 --ks 2 4 8 \
+    ${SPEC_ARGS:-} --json $OUT/spec_oracle.json 2>&1 | grep -v -i warn"
 part serve-load 120 400 "python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --json $OUT/serve_load.json && python3 benchmarks/serve_load.py --rounds ${LOAD_ROUNDS:-3} --max-tokens ${LOAD_TOKENS:-256} --attack-rounds 1 --json $OUT/serve_load_burst.json"
 
 {

@@ -6,6 +6,7 @@ transformers 4.x and 5.x write (`rope_scaling`/`rope_theta` vs `rope_parameters`
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import dataclasses
@@ -148,6 +149,75 @@ def _read_generation_config(path: str) -> dict | None:
     return None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model) or
+    "draft_model" (`model`: a checkpoint with the target's vocabulary); `num_speculative_tokens`
+    (k, the most drafts a step); prompt_lookup_min/max (the n-gram lengths tried, longest first);
+    `disable_by_batch_size`: no speculation in a step with more running sequences than this
+    (default: where the verify pass stops being memory-bound, from the measured ceilings and the
+    model's cost; ridge/engine/speculation.py)."""
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """From the setting's dict (a JSON object on the command line); ValueError naming the key."""
+        if isinstance(value, str):
+            value = _json_object(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object like {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
+                             f"got {type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in known:
+                raise ValueError(f"unknown key {key!r} (known: {', '.join(known)})")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"{key!r} is required")
+        if value["method"] not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {value['method']!r}")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = value.get(key, 1)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
+        spec = cls(**value)
+        if spec.prompt_lookup_max < spec.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({spec.prompt_lookup_max}) must be >= prompt_lookup_min "
+                             f"({spec.prompt_lookup_min})")
+        if (spec.method == "draft_model") != (spec.model is not None):
+            raise ValueError("model: method 'draft_model' needs the draft checkpoint's directory, and only it takes one")
+        if spec.model is not None and not isinstance(spec.model, str):
+            raise ValueError(f"model must be a checkpoint directory, got {spec.model!r}")
+        return spec
+
+
+class _BadJson(argparse.ArgumentTypeError, ValueError):
+    """A ValueError that argparse prints as it is (not as 'invalid _json_object value')."""
+
+
+def _json_object(text: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise _BadJson(f"not valid JSON ({e}): {text!r}") from None
+
+
+def _speculative_check(value) -> str | None:
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _device_check(value) -> str | None:
     if isinstance(value, torch.device):
         return None if value.type in ("cpu", "cuda") else f"must be auto, cpu or cuda, got {value}"
@@ -226,6 +296,11 @@ class EngineConfig:
     kv_cache_hadamard: bool = setting(
         False, help="with --kv-cache-dtype fp8: rotate q and k by a random-sign Hadamard matrix before k is "
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
+    speculative_config: dict | None = setting(
+        None, parse=_json_object, check=_speculative_check,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, '
+             '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": B}',
+        default_text="off")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):
@@ -239,6 +314,10 @@ class EngineConfig:
         if self.kv_cache_hadamard and not self.fp8_kv_cache:
             raise ValueError("kv_cache_hadamard: rotates keys before FP8 quantization; it needs kv_cache_dtype='fp8' "
                              f"(got {self.kv_cache_dtype!r})")
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -270,6 +349,12 @@ class EngineConfig:
             # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
             raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
                              f"(use attention_backend='torch' or 'auto')")
+        spec = self.speculation
+        if spec is not None and spec.model is not None:
+            draft = ModelConfig.from_dir(model_dir(spec.model))
+            if draft.vocab_size != model_cfg.vocab_size:
+                raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
+                                 f"the target's ({model_cfg.vocab_size})")
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
                                    max_model_len=max_len), model_cfg
 

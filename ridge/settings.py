@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -210,6 +211,8 @@ def to_args(obj) -> list[str]:
         flag = flag_of(f, s)
         if isinstance(value, bool):
             argv.append(flag if value else _negated(flag))
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -3,6 +3,8 @@ import random
 
 import pytest
 
+from types import SimpleNamespace
+
 from ridge.spec.ngram import NgramProposer, propose_ngram
 
 
@@ -18,7 +20,8 @@ def slow_reference(ids, min_n, max_n, k):
 def test_proposes_what_followed_the_match():
     ids = [10, 11, 12, 13, 14, 15, 99, 11, 12]
     assert propose_ngram(ids, 1, 3, 3) == [13, 14, 15]
-    assert NgramProposer(1, 3, 2).propose(ids) == [13, 14]
+    seq = SimpleNamespace(token_ids=ids)
+    assert NgramProposer(1, 3, 2).propose([seq, seq], [5, 1]).tokens == [[13, 14], [13]]
 
 
 def test_prefers_the_most_recent_occurrence():
@@ -39,7 +42,7 @@ def test_no_match_gives_nothing():
     assert propose_ngram([], 1, 3, 5) == []
     assert propose_ngram([7], 1, 3, 5) == []                  # the suffix is not its own match
     assert propose_ngram([1, 2, 3, 1, 2], 3, 4, 5) == []       # only a 2-gram repeats
-    assert NgramProposer(2, 4, 3).propose([9, 8, 7, 6]) == []
+    assert NgramProposer(2, 4, 3).propose([SimpleNamespace(token_ids=[9, 8, 7, 6])], [3]).tokens == [[]]
 
 
 def test_proposals_never_exceed_k_or_run_past_the_end():
@@ -47,8 +50,8 @@ def test_proposals_never_exceed_k_or_run_past_the_end():
     assert propose_ngram(ids, 1, 2, 100) == [3, 4, 5, 6, 1, 2]
     assert propose_ngram(ids, 1, 2, 3) == [3, 4, 5]
     assert propose_ngram([3, 3, 3], 1, 3, 5) == [3]            # overlapping match right before the end
-    assert NgramProposer(1, 2, 4).propose(ids, limit=2) == [3, 4]
-    assert NgramProposer(1, 2, 4).propose(ids, limit=0) == []
+    seq = SimpleNamespace(token_ids=ids)
+    assert NgramProposer(1, 2, 4).propose([seq, seq], [2, 0]).tokens == [[3, 4], []]
 
 
 def test_ignores_byte_matches_that_straddle_tokens():

@@ -42,6 +42,15 @@ BAD = [
     ("load_format", "pt"),
     ("quantization", "fp16"), ("quantization", 4),
     ("kv_cache_dtype", "fp8_e5m2"), ("kv_cache_dtype", None), ("kv_cache_hadamard", 1), ("kv_cache_hadamard", "yes"),
+    ("speculative_config", "ngram"), ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2}),
+    ("speculative_config", {"method": "ngram"}), ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0}),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": True}),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "k": 2}),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+                            "prompt_lookup_max": 2}),
+    ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2}),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}),
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}),
 ]
 
 

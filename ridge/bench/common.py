@@ -129,6 +129,27 @@ class RunnerTimer:
                                "so the device time cannot be measured; update ridge/bench/common.py")
 
 
+def speculation(stats0, stats1) -> dict:
+    """Speculative decoding between two `Engine.stats()` snapshots, with vLLM's names: verify steps
+    with drafts, draft and accepted tokens, acceptance rate, mean accepted length (tokens a verify
+    step emitted: accepted drafts + 1)."""
+    drafts = stats1.spec_num_drafts - stats0.spec_num_drafts
+    proposed = stats1.spec_num_draft_tokens - stats0.spec_num_draft_tokens
+    accepted = stats1.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
+    return dict(spec_num_drafts=drafts, spec_num_draft_tokens=proposed, spec_num_accepted_tokens=accepted,
+                spec_acceptance_rate=accepted / proposed if proposed else None,
+                spec_mean_accepted_length=1 + accepted / drafts if drafts else None)
+
+
+def speculation_rows(r: dict) -> list[list[str]]:
+    """Table rows for a result's speculation counters (none when nothing was drafted)."""
+    if not r.get("spec_num_drafts"):
+        return []
+    return [["spec draft / accepted tokens", f"{r['spec_num_draft_tokens']} / {r['spec_num_accepted_tokens']}"],
+            ["spec acceptance rate", f"{r['spec_acceptance_rate']:.1%}"],
+            ["spec mean accepted length", f"{r['spec_mean_accepted_length']:.2f}"]]
+
+
 def overlap(stats0, stats1) -> dict:
     """Decode steps between two `Engine.stats()` snapshots and the fraction launched before the
     previous step's ids were read back (0 where no step took the static decode path that overlaps)."""

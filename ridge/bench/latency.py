@@ -27,8 +27,8 @@ import statistics
 import time
 
 from ridge import settings
-from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len, summarize,
-                                sync, write_json)
+from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len,
+                                speculation, speculation_rows, summarize, sync, write_json)
 from ridge.bench.datasets import RandomPrompts, special_token_ids
 from ridge.config import EngineConfig
 
@@ -78,6 +78,7 @@ def _one_batch(engine, prompts: list[list[int]], params, timer: RunnerTimer) -> 
         outs = engine.step()
         t = time.perf_counter()
         shape = timer.shapes[-1] if len(timer.shapes) > n_shapes else None
+        before = sum(produced.values())
         for o in outs:
             produced[o.request_id] = len(o.outputs[0].token_ids)
         if ttft is None:
@@ -87,7 +88,7 @@ def _one_batch(engine, prompts: list[list[int]], params, timer: RunnerTimer) -> 
                 ttft = t - t0
         else:
             itl.append(t - t_prev)
-            decode_tokens += len(outs)
+            decode_tokens += sum(produced.values()) - before     # several a request with speculation
             if shape is not None:
                 decode_steps.append((shape, t - t_prev))
         t_prev = t
@@ -145,6 +146,7 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
         decode_steps_per_iter=[len(r["itl"]) for r in iters],
         preemptions=engine.stats().num_preemptions - preempt0,
         **overlap(stats0, engine.stats()),
+        **speculation(stats0, engine.stats()),
     )
     result.update(decode_utilization(engine, [s for r in iters for s in r["decode_steps"]], roofline))
     graphs = engine.runner.decode_graphs
@@ -180,7 +182,7 @@ def decode_utilization(engine, steps, with_flops: bool) -> dict:
     over their total time and the measured ceilings (ridge.roofline.utilization)."""
     from ridge.layers.cost import StepShape
     from ridge.roofline import format_of, load_ceilings, matrix_compute, step_costs, utilization
-    from ridge.roofline.ceilings import cache_path
+    from ridge.utils.ceilings import cache_path
 
     if not steps:
         return dict(mbu=None, mfu=None, roofline=None)
@@ -236,6 +238,7 @@ def print_latency(r: dict) -> None:
         rows.append(["MFU (decode)", fmt(r.get("mfu"), ".2%")])
     if r["preemptions"]:
         rows.append(["preemptions", str(r["preemptions"])])
+    rows += speculation_rows(r)
     title = (f"\nridge bench latency: batch {c['batch_size']}, input {c['input_len']}, output {c['output_len']}, "
              f"{c['num_iters']} iterations -- {env['device']}, {env['dtype']}, backend {env['attention_backend']}")
     print(format_table(["metric", "value"], rows, title))

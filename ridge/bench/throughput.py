@@ -24,8 +24,8 @@ import argparse
 import time
 
 from ridge import settings
-from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len, summarize,
-                                sync, write_json)
+from ridge.bench.common import (RunnerTimer, environment, fmt, format_table, overlap, resolve_max_model_len,
+                                speculation, speculation_rows, summarize, sync, write_json)
 from ridge.bench.datasets import (BenchRequest, RandomPrompts, check_range, load_sharegpt, special_token_ids,
                                   synthetic_requests)
 from ridge.config import EngineConfig, model_dir
@@ -201,6 +201,7 @@ def run_throughput(llm, requests: list[BenchRequest], temperature: float = 1.0, 
         ttft_s=summarize(ttft),
         request_latency_s=summarize(latency),
         **overlap(stats0, stats1),
+        **speculation(stats0, stats1),
     )
 
 
@@ -225,6 +226,7 @@ def print_throughput(r: dict) -> None:
         ["outside the engine", f"{r['outside_engine_fraction']:.1%}  ({split['outside_engine']:.2f} s)"],
         ["steps / preemptions", f"{r['steps']} / {r['preemptions']}"],
         ["overlapped decode steps", f"{r['overlap_fraction']:.1%} of {r['static_decode_steps']}"],
+        *speculation_rows(r),
     ]
     title = (f"\nridge bench throughput: {src}, temperature {r['config']['temperature']}, "
              f"ignore_eos {r['config']['ignore_eos']} -- {env['device']}, {env['dtype']}, "

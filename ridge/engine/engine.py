@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
 from ridge.engine.intake import Intake
@@ -33,13 +35,21 @@ class EngineStats:
     generation_tokens: int         # tokens sampled
     num_decode_steps: int          # steps served by the static decode path (CUDA graphs where captured)
     num_overlapped_steps: int      # of which launched before the previous step's ids were read back
+    spec_num_drafts: int = 0       # speculative decoding: a sequence's verify steps with drafts,
+    spec_num_draft_tokens: int = 0  # the draft tokens proposed,
+    spec_num_accepted_tokens: int = 0  # and of those accepted
+    spec_acceptance_rate = property(lambda self: self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                                    if self.spec_num_draft_tokens else None)
+    spec_mean_accepted_length = property(lambda self: 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
+                                         if self.spec_num_drafts else None)
     overlap_fraction = property(lambda self: self.num_overlapped_steps / self.num_decode_steps
                                 if self.num_decode_steps else None)
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None, speculator=None):
         self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
+        self.speculator = speculator                # ridge/engine/speculation.py, or None
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -74,7 +84,9 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), p.num_pages,
                            p.num_free_pages, 1.0 - p.num_free_pages / p.num_pages, self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.committer.generation_tokens,
-                           self.num_decode_steps, self.overlap.num_overlapped_steps)
+                           self.num_decode_steps, self.overlap.num_overlapped_steps,
+                           *((sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens)
+                             if (sp := self.speculator) is not None else ()))
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got a token (cumulative text and
@@ -82,6 +94,8 @@ class Engine:
         outputs copies each request's lists, which offline callers need not pay every step."""
         if self.overlap.inflight is not None:
             return self._step_overlapped(finished_only)
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_work() and not self.scheduler.running:
@@ -93,17 +107,53 @@ class Engine:
         for seq, positions, values in fwd.prompt_logprobs:
             for p, v in zip(positions, values):
                 seq.prompt_logprobs[p] = v
-        sampling = [item.seq for item in sched.scheduled if item.samples]
+        items = [item for item in sched.scheduled if item.samples]
         self._advance(sched)
+        if any(item.num_draft for item in items):
+            return self._outputs(self._commit_speculative(items, fwd.logits), finished_only)
+        sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
-                and not any(s.request.params.uses_penalties for s in seqs):
+                and not any(s.request.params.uses_penalties for s in seqs) \
+                and (self.speculator is None or not self.speculator.active(self.scheduler.running)):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
         info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
         return self._outputs(self.committer.commit(seqs, tokens.tolist(), info), finished_only)
+
+    def _commit_speculative(self, items: list, logits) -> list[Request]:
+        """A step with drafts: each sampling item has num_draft + 1 logits rows. Rows without
+        drafts sample as usual (their prompts are done or they decode: nothing forks in such a
+        step, since the speculator drafts only for decoding sequences, but a prefill's first
+        token may share it); rows with drafts are verified. Tokens are committed a position at a
+        time, so a stop or a length limit ends an accepted run where plain decoding would."""
+        ends = torch.tensor([i.num_draft + 1 for i in items]).cumsum(0)
+        plain = [n for n, i in enumerate(items) if not i.num_draft]
+        spec = [i for i in items if i.num_draft]
+        spec_rows = torch.cat([torch.arange(e - i.num_draft - 1, e) for e, i in zip(ends.tolist(), items) if i.num_draft])
+        emitted, infos = self.speculator.verify(spec, logits[spec_rows.to(logits.device)])
+        seqs, rows = self.scheduler.fork_samples([items[n].seq for n in plain])
+        lasts = (ends - 1)[torch.tensor([plain[r] for r in rows], dtype=torch.int64)] if rows else None
+        if rows:
+            tokens, info = self.runner.sample(logits[lasts.to(logits.device)], seqs, self.eos_ids)
+            info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
+            touched = self.committer.commit(seqs, tokens.tolist(), info)
+        else:
+            touched = []
+        for j in range(max(map(len, emitted))):
+            at = [r for r, e in enumerate(emitted) if len(e) > j and not spec[r].seq.is_finished]
+            if not at:
+                break
+            info = None
+            if any(infos[r][j] is not None for r in at):
+                info = tuple(torch.stack([infos[r][j][c] for r in at]) if infos[at[0]][j][c] is not None else None
+                             for c in range(4))
+            touched += self.committer.commit([spec[r].seq for r in at], [emitted[r][j] for r in at], info)
+        for item, e in zip(spec, emitted):
+            self.scheduler.accept(item, len(e))
+        return list({r.request_id: r for r in touched}.values())
 
     def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight
@@ -128,8 +178,11 @@ class Engine:
                 self.prompt_tokens_computed += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
 
     def _advance(self, sched: SchedulerOutput) -> None:
-        """The step's tokens are now in the cache: count them, and offer newly full pages."""
+        """The step's tokens are now in the cache: count them, and offer newly full pages. A
+        sequence with drafts is advanced once its drafts are verified (Scheduler.accept)."""
         for item in sched.scheduled:
+            if item.num_draft:
+                continue
             item.seq.num_computed_tokens += item.num_new_tokens
             self.pages.register_full_pages(item.seq)
 

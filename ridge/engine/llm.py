@@ -12,6 +12,7 @@ from ridge.engine.intake import prompt_list, sampling_list
 from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
+from ridge.engine.speculation import build_speculator
 from ridge.runner.model_runner import ModelRunner
 from ridge.settings import fields as setting_fields
 
@@ -34,14 +35,19 @@ class LLM:
             raise ValueError(f"show_progress: must be true or false, got {show_progress!r}")
         cfg, model_cfg = EngineConfig.from_kwargs(model=model, **settings).resolve()
         runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
-        cfg.num_pages = max(cfg.kv_budget(), 0) // runner.kv_bytes_per_page()
+        speculator, draft_runner = build_speculator(cfg, model_cfg, runner, show_progress)
+        # a draft model's pool holds as many pages as the target's: the budget pays for both
+        page_bytes = runner.kv_bytes_per_page() + (draft_runner.kv_bytes_per_page() if draft_runner else 0)
+        cfg.num_pages = max(cfg.kv_budget(), 0) // page_bytes
         if cfg.num_pages < 1:
             name = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
             raise ValueError(f"{name}: too small to hold a single KV page")
         runner.allocate_kv_cache(cfg.num_pages)
         runner.warm_up_prefill()
         runner.setup_decode(use_graphs=not cfg.enforce_eager)
-        self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model))
+        if draft_runner is not None:
+            speculator.proposer.allocate(cfg.num_pages, use_graphs=not cfg.enforce_eager)
+        self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
 

@@ -107,6 +107,13 @@ class PageAllocator:
             self._unref(b)
         seq.page_table, seq.page_hashes, seq.num_computed_tokens = [], [], 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the pages past the first pages_for(num_tokens) of seq's table (tail first)."""
+        keep = self.pages_for(num_tokens)
+        for b in reversed(seq.page_table[keep:]):
+            self._unref(b)
+        del seq.page_table[keep:]
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -52,6 +52,8 @@ class Sequence:
     # Trailing entries of token_ids that are placeholders for ids sampled by a step still on the
     # GPU (the engine's overlapped decode); they count as tokens for scheduling and sampling.
     num_pending: int = 0
+    # the proposer's guesses for the tokens after token_ids, verified by this step (speculation)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     output_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
@@ -71,6 +73,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding: verify steps with drafts, draft tokens proposed, of which accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     is_finished = property(lambda self: all(s.is_finished for s in self.seqs))
 
 
@@ -82,6 +88,15 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    # speculative decoding (vLLM's spec_decode names): steps that verified drafts, drafts, accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_rate = property(lambda self: self.num_accepted_tokens / self.num_draft_tokens
+                               if self.num_draft_tokens else None)
+    # tokens a verify step emitted on average: accepted drafts plus the target's own token
+    mean_accepted_length = property(lambda self: 1 + self.num_accepted_tokens / self.num_drafts
+                                    if self.num_drafts else None)
 
 
 @dataclass
@@ -113,4 +128,4 @@ class RequestOutput:
         return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.is_finished,
                    list(prompt_lps) if prompt_lps is not None else None,
                    RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                  req.finished_time))
+                                  req.finished_time, req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens))

@@ -21,10 +21,13 @@ from ridge.engine.request import Request, Sequence, SeqStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int             # of which the last num_draft are the sequence's draft tokens
+    num_draft: int = 0
     start = property(lambda self: self.seq.num_computed_tokens)
-    # the chunk reaches the end of the sequence, so its last logits are sampled
-    samples = property(lambda self: self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
+    # the chunk reaches the end of the sequence (and its drafts), so its last logits are sampled:
+    # with drafts, the last num_draft + 1 rows, which the speculative verification reads
+    samples = property(lambda self: self.seq.num_computed_tokens + self.num_new_tokens
+                       == self.seq.num_tokens + self.num_draft)
 
 
 def seats(seq: Sequence) -> int:
@@ -60,10 +63,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            todo = seq.num_tokens - seq.num_computed_tokens
+            n = min(todo + len(seq.draft_token_ids), budget)
+            del seq.draft_token_ids[max(0, n - todo):]           # drafts past the budget are dropped
             while self.pages.pages_needed(seq, n) > self.pages.num_free_pages:
                 victim = self.running.pop()
                 self.pages.free(victim)
+                victim.draft_token_ids = []
                 victim.status = SeqStatus.WAITING
                 self.waiting.appendleft(victim)
                 out.preempted.append(victim)
@@ -73,7 +79,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 break
             self.pages.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, len(seq.draft_token_ids)))
             budget -= n
             i += 1
         if not out.preempted:
@@ -135,6 +141,18 @@ class Scheduler:
             seqs += [seq, *born]
             rows += [row] * (1 + len(born))
         return seqs, rows
+
+    def accept(self, item: ScheduledSeq, num_emitted: int) -> None:
+        """A verify step emitted num_emitted tokens for item's sequence (already committed): its
+        cache holds the tokens up to the last accepted draft, and the pages past what its tokens
+        need (written only by rejected drafts) go back to the pool."""
+        seq = item.seq
+        seq.draft_token_ids = []
+        if seq.status != SeqStatus.RUNNING:
+            return
+        seq.num_computed_tokens = item.start + num_emitted
+        self.pages.truncate(seq, seq.num_tokens)
+        self.pages.register_full_pages(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == SeqStatus.RUNNING:

@@ -94,13 +94,17 @@ def sample(logits: torch.Tensor, b: SamplingBatch):
         noise = -torch.log(uniform_noise(b.seeds, b.steps, logits.shape[-1]))
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
-    if b.max_logprobs < 0:
-        return tokens, None
+    return tokens, (logprob_info(raw, tokens, b.max_logprobs) if b.max_logprobs >= 0 else None)
+
+
+def logprob_info(raw: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple:
+    """(the tokens' log-probabilities under the raw logits [N, V], their ranks, the top-`top`
+    values and ids, or None, None for top = 0)."""
     logp = torch.log_softmax(raw, dim=-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     rank = (logp > chosen[:, None]).sum(-1) + 1
-    top_v, top_i = logp.topk(b.max_logprobs, dim=-1) if b.max_logprobs else (None, None)
-    return tokens, (chosen, rank, top_v, top_i)
+    top_v, top_i = logp.topk(top, dim=-1) if top else (None, None)
+    return chosen, rank, top_v, top_i
 
 
 def sampling_cost(step: StepShape, vocab: int) -> OpCost:

@@ -4,8 +4,10 @@ forward pass and samples. The flat batch: the new tokens of every scheduled sequ
 table, built as host lists and moved to the device in one copy each.
 
 The runner sits below the engine and imports nothing from it: a step is read through the
-scheduler output's fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`, `samples`;
-`page_copies`), a sequence through `token_ids`, `page_table`, `request.params`.
+scheduler output's fields (`scheduled`: items with `seq`, `start`, `num_new_tokens`, `num_draft`,
+`samples`; `page_copies`), a sequence through `token_ids`, `draft_token_ids`, `page_table`,
+`request.params`. An item with drafts (speculative decoding) appends the sequence's draft tokens to
+its chunk and samples its last num_draft + 1 rows.
 """
 from __future__ import annotations
 
@@ -129,7 +131,8 @@ class ModelRunner:
 
     def decode_inputs(self, sched) -> DecodeInputs | None:
         """The step as a pure decode batch (every sequence adds its one last token and samples),
-        or None when it is anything else (a prefill chunk, prompt scoring) or too large a batch."""
+        or None when it is anything else (a prefill chunk, prompt scoring, drafts to verify) or too
+        large a batch."""
         items, g, ps = sched.scheduled, self.decode_graphs, self.cfg.page_size
         if g is None or len(items) > g.max_bs or any(
                 i.num_new_tokens != 1 or not i.samples or i.seq.prompt_logprobs is not None for i in items):
@@ -142,14 +145,16 @@ class ModelRunner:
         bs = self.cfg.page_size
         input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
         for item in sched.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            input_ids += seq.token_ids[start:start + n]
+            seq, start, n, drafts = item.seq, item.start, item.num_new_tokens, item.num_draft
+            input_ids += seq.token_ids[start:start + n - drafts]
+            if drafts:                      # speculation: the target scores each draft position too
+                input_ids += seq.draft_token_ids[:drafts]
             positions += range(start, start + n)
             slots += [slot_of(seq.page_table, p, bs) for p in range(start, start + n)]
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
             if item.samples:
-                sample_rows.append(starts[-1] - 1)
+                sample_rows += range(starts[-1] - 1 - drafts, starts[-1])
         meta = self.metadata(slots, starts, seq_lens, [item.seq.page_table for item in sched.scheduled])
         return self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta, sample_rows
 

@@ -1,2 +1,4 @@
-"""Speculative decoding: proposers (n-gram prompt lookup; the draft model comes with the engine
-wiring). Verification is sampling, so it lives beside the sampler: ridge/layers/spec_sampling.py."""
+"""Speculative decoding's proposers: the interface (proposer.py) and n-gram prompt lookup (ngram.py).
+The draft-model proposer runs a second model through the engine's runner and page allocator
+(ridge/engine/draft_model.py); verification is sampling, so it lives beside the sampler
+(ridge/layers/spec_sampling.py); the engine's side is ridge/engine/speculation.py."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from ridge.spec.proposer import Proposal
+
 _WORD = array("i").itemsize
 
 
@@ -65,8 +67,10 @@ class NgramProposer:
                              f"({prompt_lookup_min})")
         self.min_n, self.max_n, self.k = prompt_lookup_min, prompt_lookup_max, num_speculative_tokens
 
-    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
-        """Draft tokens for a sequence (prompt + output so far). `limit` lowers k for this call,
-        e.g. to the room left before max_tokens or the context length."""
-        k = self.k if limit is None else min(self.k, limit)
-        return propose_ngram(token_ids, self.min_n, self.max_n, k)
+    def propose(self, seqs: list, limits: list[int]) -> Proposal:
+        """Draft tokens for each sequence (prompt + output so far), at most its limit."""
+        return Proposal([propose_ngram(s.token_ids, self.min_n, self.max_n, min(self.k, lim))
+                         for s, lim in zip(seqs, limits)])
+
+    def release(self, seq_ids: set[int]) -> None:
+        """Nothing to drop: the lookup keeps no state between steps."""

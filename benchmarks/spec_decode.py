@@ -1,0 +1,235 @@
+"""Speculative decoding benchmarks (issue 17), three parts; JSON to --json, a table last.
+
+  demo    the demo pair (demo-code-12m, drafts from demo-code-3m; and n-gram lookup) on held-out stdlib
+          prompts: acceptance rate and mean accepted length per k, tokens/s with and without
+          speculation, batch 1 (requests one after another).
+  verify  the target alone (e.g. the 8B shape, --load-format dummy): the time of a verify step
+          (k + 1 tokens a sequence through the paged attention kernels, eager) against a plain decode
+          step (the CUDA-graph replay), k = 1..8, at several batch sizes.
+  oracle  end to end with a proposer whose acceptance rate is set: it replays the target's own
+          recorded greedy continuation, corrupting each position with probability 1 - alpha, so a
+          draft is accepted with probability alpha; tokens/s against plain decoding per alpha, k
+          and batch, beside seed 002's model (1 - alpha^(k+1)) / (1 - alpha). Adaptation stays on.
+
+    python benchmarks/spec_decode.py demo --json spec_demo.json
+    python benchmarks/spec_decode.py verify --model /tmp/8b-config --load-format dummy --json spec_verify.json
+    python benchmarks/spec_decode.py oracle --model /tmp/8b-config --load-format dummy --json spec_oracle.json
+
+Timings: wall time per generate call (demo, oracle) after a warm-up call; medians of CUDA-event
+times after warm-up (verify). Prompts are drawn fresh (random ids, or held-out files).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ridge import LLM, SamplingParams  # noqa: E402
+from ridge.assets import demo_model_path  # noqa: E402
+from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from ridge.spec.proposer import Proposal  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(llm, prompts, params) -> tuple[float, list]:
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - t0, outs
+
+
+def heldout_prompts(model: str, n: int, length: int) -> list[list[int]]:
+    from ridge.engine.llm import load_tokenizer
+    from ridge.eval_ppl import heldout_files
+    llm_tok = load_tokenizer(model)
+    prompts = []
+    for path in heldout_files(model)[:n]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = llm_tok.encode(f.read())
+        if len(ids) > length:
+            prompts.append(ids[:length])
+    return prompts
+
+
+def run_demo(a) -> dict:
+    target = demo_model_path()
+    draft = os.path.join(os.path.dirname(target), "demo-code-3m")
+    prompts = heldout_prompts(target, a.prompts, a.prompt_len)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+    rows = []
+    plain = LLM(target, show_progress=False, max_model_len=1024)
+    timed_generate(plain, prompts[:1], params)
+    plain_s = sum(timed_generate(plain, [p], params)[0] for p in prompts)
+    del plain
+    for method in ("draft_model", "ngram"):
+        for k in a.ks:
+            cfg = {"method": method, "num_speculative_tokens": k, **({"model": draft} if method == "draft_model" else {})}
+            llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
+            timed_generate(llm, prompts[:1], params)
+            s0 = llm.engine.stats()
+            secs = sum(timed_generate(llm, [p], params)[0] for p in prompts)
+            s1 = llm.engine.stats()
+            drafts, proposed = s1.spec_num_drafts - s0.spec_num_drafts, s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
+            accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+            rows.append(dict(method=method, k=k, acceptance_rate=accepted / proposed if proposed else None,
+                             mean_accepted_length=1 + accepted / drafts if drafts else None,
+                             tokens_per_s=len(prompts) * a.output_len / secs,
+                             plain_tokens_per_s=len(prompts) * a.output_len / plain_s, speedup=plain_s / secs))
+            del llm
+    return dict(part="demo", prompts=len(prompts), prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
+
+
+def running_sequences(llm, batch: int, prompt_len: int) -> list:
+    """`batch` sequences whose prompts are computed and that now decode (the engine stepped to there)."""
+    engine = llm.engine
+    vocab = engine.model_cfg.vocab_size
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or len(engine.scheduler.running) < batch:
+        engine.step()
+    return list(engine.scheduler.running)
+
+
+def event_time(fn, reps: int) -> float:
+    times = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def run_verify(a) -> dict:
+    llm = LLM(a.model, load_format=a.load_format, max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 64,
+              show_progress=False, async_scheduling=False)
+    engine, runner, rows = llm.engine, llm.engine.runner, []
+    vocab = engine.model_cfg.vocab_size
+    for batch in a.batches:
+        seqs = running_sequences(llm, batch, a.prompt_len)
+        for k in [0, *range(1, 9)]:
+            for s in seqs:
+                s.draft_token_ids = [random.randrange(3, vocab) for _ in range(k)]
+                engine.pages.allocate(s, k + 1)
+            sched = SchedulerOutput([ScheduledSeq(s, k + 1, k) for s in seqs])
+            t = event_time(lambda: runner.execute(sched), a.reps)
+            rows.append(dict(batch=batch, k=k, step_s=t, path="decode graph" if k == 0 else "verify (eager)"))
+        for s in seqs:
+            s.draft_token_ids = []
+            llm.abort(s.request.request_id)
+        base = {r["k"]: r["step_s"] for r in rows if r["batch"] == batch}
+        for r in rows:
+            if r["batch"] == batch:
+                r["vs_plain"] = r["step_s"] / base[0]
+    return dict(part="verify", prompt_len=a.prompt_len, rows=rows)
+
+
+class Oracle:
+    """Proposes the target's recorded greedy continuation, each position corrupted with probability
+    1 - alpha (a fixed random stream): a draft is then accepted with probability alpha."""
+
+    def __init__(self, records: dict, alpha: float, vocab: int, seed: int = 0):
+        self.records, self.alpha, self.vocab, self.rng = records, alpha, vocab, random.Random(seed)
+
+    def propose(self, seqs, limits) -> Proposal:
+        out = []
+        for s, lim in zip(seqs, limits):
+            full = self.records[tuple(s.token_ids[:s.num_prompt_tokens])]
+            nxt = full[s.num_output_tokens:s.num_output_tokens + lim]
+            out.append([t if self.rng.random() < self.alpha else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                        for t in nxt])
+        return Proposal(out)
+
+    def release(self, seq_ids) -> None:
+        pass
+
+
+def run_oracle(a) -> dict:
+    rows = []
+    for batch in a.batches:
+        llm = LLM(a.model, load_format=a.load_format, max_num_seqs=batch, max_model_len=a.prompt_len + a.output_len + 16,
+                  show_progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": max(a.ks)})
+        engine, spec = llm.engine, llm.engine.speculator
+        vocab = engine.model_cfg.vocab_size
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(batch)]
+        params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+        engine.speculator = None                                   # plain decoding, the same engine
+        timed_generate(llm, prompts, params)
+        plain_s, outs = timed_generate(llm, prompts, params)
+        records = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)}
+        engine.speculator = spec
+        for k in a.ks:
+            spec.k = k
+            for alpha in a.alphas:
+                spec.proposer, spec.acceptance = Oracle(records, alpha, vocab), {}
+                timed_generate(llm, prompts, params)
+                spec.proposer, spec.acceptance = Oracle(records, alpha, vocab, seed=1), {}
+                s0 = engine.stats()
+                secs, outs = timed_generate(llm, prompts, params)
+                s1 = engine.stats()
+                assert [o.outputs[0].token_ids for o in outs] == [records[tuple(p)] for p in prompts], "greedy changed"
+                proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
+                accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+                model = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+                rows.append(dict(batch=batch, k=k, alpha=alpha, cutoff=spec.cutoff, speedup=plain_s / secs,
+                                 tokens_per_s=batch * a.output_len / secs, plain_tokens_per_s=batch * a.output_len / plain_s,
+                                 measured_acceptance=accepted / proposed if proposed else None,
+                                 drafts=s1.spec_num_drafts - s0.spec_num_drafts, model_tokens_per_step=model))
+        del llm, engine, spec
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return dict(part="oracle", prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=("demo", "verify", "oracle"))
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6])
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.5, 0.8, 0.9])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    result = {"demo": run_demo, "verify": run_verify, "oracle": run_oracle}[a.part](a)
+    result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    keys = [k for k in result["rows"][0] if k not in ("path",)]
+    print(" ".join(f"{k:>14}" for k in keys))
+    for r in result["rows"]:
+        print(" ".join(f"{v:>14.3f}" if isinstance(v, float) else f"{str(v):>14}" for v in (r[k] for k in keys)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

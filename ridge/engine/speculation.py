@@ -1,0 +1,215 @@
+"""Speculative decoding, the engine's side: which sequences speculate this step and with how many
+drafts, the target's verification of the drafts, and the counters vLLM reports.
+
+A step with drafts is an ordinary step of the engine's loop: before the schedule, `plan` asks
+the proposer for each decoding sequence's drafts (stored on the sequence); the scheduler
+schedules the sequence's last token plus its drafts as one chunk (pages for all of them; drafts
+past the token budget are dropped); the runner computes that chunk through the paged attention
+kernels like any multi-token chunk and returns logits for its last num_draft + 1 rows; `verify`
+turns them into the target's distributions (sampling parameters and penalties applied per
+position, ridge/layers/spec_sampling.py) and keeps the prefix that exact rejection sampling
+accepts, plus one token from the target. The engine commits those tokens one position at a time
+(so stop tokens, stop strings and max_tokens cut an accepted run where plain decoding would), and
+the scheduler then sets the sequence's cache length to the last accepted draft and returns the
+pages only rejected drafts used.
+
+When it runs. Speculation pays while a verify pass over k + 1 tokens a sequence costs about one
+decode step, i.e. while it is memory-bound (seed 002: the weights are read once per pass whatever
+the row count). `memory_bound_batch` finds the largest batch for which the model's own cost model
+(`model.cost`, the roofline's) puts a verify step's FLOPs at the measured matmul roof under its
+bytes at the measured bandwidth; above it no sequence speculates (vLLM's `disable_by_batch_size`,
+which overrides it). Per sequence, the drafts' measured acceptance sets k: the geometric-run
+estimate alpha = accepted / (accepted + rejections) over a decaying window picks the k that
+maximises the expected tokens per unit of verify cost, (1 - alpha^(k+1)) / (1 - alpha) over
+(1 + OVERHEAD + draft_cost * k), and a sequence whose best is under one token per plain step pauses
+for PAUSE tokens (doubling while it keeps failing), then tries again.
+
+Determinism. The acceptance state is the sequence's own and the pause is counted in its own
+tokens, so a seeded request speculates the same way alone or in any batch; the batch-size cutoff
+would break that, so a seeded request that samples (temperature > 0) is exempt from it. Greedy
+requests give plain decoding's tokens whether they speculate or not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ridge.config import EngineConfig, ModelConfig, SpeculativeConfig
+from ridge.engine.request import Sequence, SeqStatus
+from ridge.layers.cost import StepShape
+from ridge.layers.sampler import logprob_info
+from ridge.layers.spec_sampling import target_probs, verify
+from ridge.spec.ngram import NgramProposer
+from ridge.spec.proposer import Proposal, Proposer
+
+OVERHEAD = 0.1        # a verify step's extra cost over a plain decode step (eager chunk vs graph replay)
+PAUSE = 16            # output tokens a sequence goes without drafts after its drafts stop paying
+MAX_PAUSE = 256
+DECAY = 0.8           # weight of the acceptance history per verify step
+VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
+
+
+@dataclass
+class Acceptance:
+    """A sequence's recent drafts: accepted tokens and trials (accepted + rejections), decayed."""
+    accepted: float = 0.0
+    trials: float = 0.0
+    resume_at: int = 0          # output length before which the sequence does not speculate
+    pause: int = PAUSE
+
+    alpha = property(lambda self: self.accepted / self.trials if self.trials else None)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verify step emits with k drafts each accepted with probability alpha (seed 002)."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_k(alpha: float | None, k: int, draft_cost: float) -> int:
+    """The number of drafts that maximises tokens per unit of cost; 0 when none beats plain decoding."""
+    if alpha is None:
+        return k
+    gain = {j: expected_tokens(alpha, j) / (1 + OVERHEAD + draft_cost * j) for j in range(1, k + 1)}
+    j = max(gain, key=gain.get)
+    return j if gain[j] > 1 else 0
+
+
+def memory_bound_batch(model, k: int, dtype: torch.dtype, ceilings, max_num_seqs: int) -> int:
+    """The largest batch (<= max_num_seqs) whose verify step (k + 1 tokens a sequence) the model's
+    cost puts under its memory time at the measured ceilings; 0 if not even one sequence's is."""
+    def memory_bound(b: int) -> bool:
+        costs = model.cost(StepShape((k + 1,) * b, (VERIFY_CONTEXT,) * b, dtype=dtype))
+        return sum(c.flops / ceilings.peak(c.compute) for c in costs) <= sum(c.bytes for c in costs) / ceilings.bandwidth
+    lo, hi = 0, max_num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if memory_bound(mid) else (lo, mid - 1)
+    return lo
+
+
+class Speculator:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, runner, cutoff: int, max_model_len: int,
+                 eos_ids: list[int], draft_cost: float = 0.0):
+        self.k, self.proposer, self.runner, self.cutoff = spec.num_speculative_tokens, proposer, runner, cutoff
+        self.max_model_len, self.eos_ids, self.draft_cost = max_model_len, eos_ids, draft_cost
+        self.acceptance: dict[int, Acceptance] = {}
+        self.proposal: Proposal | None = None
+        self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
+        # totals since start (vLLM: spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def _limit(self, seq: Sequence, batch: int) -> int:
+        """Drafts the sequence may take this step (0: it does not speculate)."""
+        p = seq.request.params
+        if seq.status != SeqStatus.RUNNING or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
+                or seq.num_output_tokens < p.min_tokens:     # min_tokens bans stop tokens per position
+            return 0
+        if batch > self.cutoff and not (p.seed is not None and p.temperature > 0):
+            return 0
+        acc = self.acceptance.get(seq.seq_id)
+        if acc is not None and seq.num_output_tokens < acc.resume_at:
+            return 0
+        k = best_k(acc.alpha if acc is not None else None, self.k, self.draft_cost)
+        return max(0, min(k, seq.request.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def active(self, seqs: list[Sequence]) -> bool:
+        """Whether any of these sequences would get drafts (the engine then does not overlap steps)."""
+        return any(self._limit(s, len(seqs)) for s in seqs)
+
+    def plan(self, running: list[Sequence]) -> None:
+        """Before the schedule: ask the proposer for the drafts of this step's speculating sequences."""
+        live = {s.seq_id for s in running}
+        gone = {i for i in self.acceptance if i not in live}
+        for i in gone:
+            del self.acceptance[i]
+        self.proposer.release(gone)
+        limits = [(s, self._limit(s, len(running))) for s in running]
+        seqs, limits = [s for s, lim in limits if lim], [lim for _, lim in limits if lim]
+        self.proposal, self.rows = None, {}
+        if not seqs:
+            return
+        self.proposal = self.proposer.propose(seqs, limits)
+        for row, (seq, tokens, lim) in enumerate(zip(seqs, self.proposal.tokens, limits)):
+            seq.draft_token_ids = list(tokens[:lim])
+            self.rows[seq.seq_id] = row
+
+    @torch.inference_mode()
+    def verify(self, items: list, logits: torch.Tensor) -> tuple[list[list[int]], list[list[tuple | None]]]:
+        """items: the step's scheduled items with drafts; logits: their rows, num_draft + 1 each,
+        in order. Returns each item's emitted tokens and, per emitted token, its logprob info
+        (the sampler's (chosen, rank, top values, top ids) for that row, or None)."""
+        seqs = [i.seq for i in items]
+        n, k, vocab, dev = len(items), max(i.num_draft for i in items), logits.shape[-1], logits.device
+        slots = [r * (k + 1) + j for r, i in enumerate(items) for j in range(i.num_draft + 1)]
+        full = logits.new_zeros(n * (k + 1), vocab)
+        full[torch.tensor(slots, device=dev)] = logits
+        drafts = torch.tensor([s.draft_token_ids[:i.num_draft] + [-1] * (k - i.num_draft) for s, i in zip(seqs, items)],
+                              dtype=torch.int64).to(dev)
+        batch = self.runner.sampling_batch(seqs, vocab, self.eos_ids)
+        p = target_probs(full.view(n, k + 1, vocab), batch, drafts)
+        q = None
+        if self.proposal is not None and self.proposal.probs is not None:
+            q = self.proposal.probs[torch.tensor([self.rows[s.seq_id] for s in seqs], device=dev), :k].to(p.dtype)
+        tokens, emitted = verify(drafts, q, p, batch.seeds, batch.steps, batch.temperature == 0,
+                                 torch.tensor([i.num_draft for i in items], device=dev))
+        info = None
+        if batch.max_logprobs >= 0:
+            info = tuple(t.cpu() if t is not None else None
+                         for t in logprob_info(full, tokens.clamp(min=0).view(-1), batch.max_logprobs))
+        tokens, emitted = tokens.tolist(), emitted.tolist()
+        out, infos = [], []
+        for r, (item, e) in enumerate(zip(items, emitted)):
+            out.append(tokens[r][:e])
+            infos.append([None if info is None else tuple(t[r * (k + 1) + j] if t is not None else None for t in info)
+                          for j in range(e)])
+            self._record(item.seq, item.num_draft, e - 1)
+        return out, infos
+
+    def _record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        acc = self.acceptance.setdefault(seq.seq_id, Acceptance())
+        acc.accepted = DECAY * acc.accepted + accepted
+        acc.trials = DECAY * acc.trials + accepted + (accepted < drafted)
+        if best_k(acc.alpha, self.k, self.draft_cost) == 0:
+            acc.resume_at = seq.num_output_tokens + drafted + 1 + acc.pause
+            acc.pause = min(2 * acc.pause, MAX_PAUSE)
+            acc.accepted = acc.trials = 0.0          # a fresh estimate after the pause
+        else:
+            acc.pause = PAUSE
+        req = seq.request
+        req.num_drafts += 1
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+
+
+def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_progress: bool):
+    """(the Speculator for cfg.speculative_config, its draft runner or None), after the target's
+    runner is built and before the KV pools are sized (a draft model's pool shares the budget)."""
+    spec = cfg.speculation
+    if spec is None:
+        return None, None
+    eos = list(model_cfg.eos_token_ids)
+    draft_runner = None
+    if spec.method == "ngram":
+        proposer, draft_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                             spec.num_speculative_tokens), 0.0
+    else:
+        from ridge.engine.draft_model import DraftModelProposer, draft_config
+        from ridge.runner.model_runner import ModelRunner
+        draft_cfg, draft_model_cfg = draft_config(cfg, spec)
+        draft_runner = ModelRunner(draft_cfg, draft_model_cfg, show_progress=show_progress)
+        proposer = DraftModelProposer(draft_runner, eos)
+        one = StepShape((1,), (1,), dtype=cfg.dtype)
+        draft_cost = sum(c.param_bytes for c in draft_runner.model.cost(one)) / \
+            sum(c.param_bytes for c in runner.model.cost(one))
+    cutoff = spec.disable_by_batch_size
+    if cutoff is None:
+        from ridge.utils.ceilings import load_ceilings
+        cutoff = memory_bound_batch(runner.model, spec.num_speculative_tokens, cfg.dtype, load_ceilings(cfg.device),
+                                    cfg.max_num_seqs)
+    return Speculator(spec, proposer, runner, cutoff, cfg.max_model_len, eos, draft_cost), draft_runner
+

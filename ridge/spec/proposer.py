@@ -1,0 +1,33 @@
+"""The proposer interface of speculative decoding: what the engine asks of a draft source.
+
+Each step the engine hands a proposer the sequences that speculate and, per sequence, the most
+draft tokens it may take (`limits`: num_speculative_tokens, lowered by the room left before
+max_tokens and the context length, and by the sequence's measured acceptance). The proposer
+returns, per sequence, up to that many token ids, and optionally the distribution each was drawn
+from: the target's verification (ridge/layers/spec_sampling.py) accepts a draft x with probability
+min(1, p(x)/q(x)), and a proposer that returns no distribution is taken to have proposed point
+masses (q(x) = 1), which is exact for deterministic guesses such as n-gram lookup.
+
+A sequence as the proposer sees it: `seq_id`, `token_ids` (prompt and output so far; the proposal
+continues it), `num_prompt_tokens`, `num_output_tokens`, `seed`, `request.params` (SamplingParams).
+A proposer that keeps per-sequence state (a draft model's KV cache) drops it in `release`, called
+with the ids of sequences that finished or were preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]                 # per sequence, at most its limit (may be empty)
+    probs: torch.Tensor | None = None       # [N, max limit, vocab] q at each draft position, or None
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list, limits: list[int]) -> Proposal: ...
+
+    def release(self, seq_ids: set[int]) -> None: ...
