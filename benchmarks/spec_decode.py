@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.assets import demo_model_path  # noqa: E402
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from ridge.spec.proposer import Proposal  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def running_sequences(llm, batch: int, prompt_len: int) -> list:
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randrange(3, vocab) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or len(engine.scheduler.running) < batch:
         engine.step()
@@ -107,6 +108,15 @@ def running_sequences(llm, batch: int, prompt_len: int) -> list:
 
 
 def event_time(fn, reps: int) -> float:
+    """Median seconds of fn() after 3 warm-up calls: CUDA events on a GPU, the host clock on a CPU."""
+    if not torch.cuda.is_available():
+        times = []
+        for i in range(reps + 3):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     times = []
     for i in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,26 +130,42 @@ def event_time(fn, reps: int) -> float:
 
 
 def run_verify(a) -> dict:
+    """Per batch and k: the plain decode step (its CUDA graph), and the verify step of k + 1 tokens a
+    sequence both as a replayed verify graph (captured here for that batch and k alone) and eagerly."""
     llm = LLM(a.model, load_format=a.load_format, max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 64,
               show_progress=False, async_scheduling=False)
     engine, runner, rows = llm.engine, llm.engine.runner, []
-    vocab = engine.model_cfg.vocab_size
+    cfg, vocab, graphs = engine.cfg, engine.model_cfg.vocab_size, torch.cuda.is_available()
     for batch in a.batches:
         seqs = running_sequences(llm, batch, a.prompt_len)
+        base = None
         for k in [0, *range(1, 9)]:
             for s in seqs:
                 s.draft_token_ids = [random.randrange(3, vocab) for _ in range(k)]
                 engine.pages.allocate(s, k + 1)
             sched = SchedulerOutput([ScheduledSeq(s, k + 1, k) for s in seqs])
-            t = event_time(lambda: runner.execute(sched), a.reps)
-            rows.append(dict(batch=batch, k=k, step_s=t, path="decode graph" if k == 0 else "verify (eager)"))
+            row = dict(batch=batch, k=k)
+            if k == 0:
+                row["graph_s"] = base = event_time(lambda: runner.execute(sched), a.reps)
+            elif graphs:                # the verify graphs need the Triton backend (a GPU)
+                g = DecodeGraphs(runner.model, runner.layer_caches, batch, cfg.max_model_len, cfg.page_size,
+                                 runner.device, queries=k + 1)
+                g.buckets = [batch]
+                g.fill_idle()
+                g.capture()
+                runner.verify_graphs = g
+                row["graph_s"] = event_time(lambda: runner.execute(sched), a.reps)
+                runner.verify_graphs = None
+                del g
+            if k:
+                row["eager_s"] = event_time(lambda: runner.execute(sched), a.reps)
+                row["eager_vs_plain"] = row["eager_s"] / base
+            if "graph_s" in row:
+                row["graph_vs_plain"] = row["graph_s"] / base
+            rows.append(row)
         for s in seqs:
             s.draft_token_ids = []
             llm.abort(s.request.request_id)
-        base = {r["k"]: r["step_s"] for r in rows if r["batch"] == batch}
-        for r in rows:
-            if r["batch"] == batch:
-                r["vs_plain"] = r["step_s"] / base[0]
     return dict(part="verify", prompt_len=a.prompt_len, rows=rows)
 
 
@@ -224,10 +250,10 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
-    keys = [k for k in result["rows"][0] if k not in ("path",)]
+    keys = list(dict.fromkeys(k for r in result["rows"] for k in r))
     print(" ".join(f"{k:>14}" for k in keys))
     for r in result["rows"]:
-        print(" ".join(f"{v:>14.3f}" if isinstance(v, float) else f"{str(v):>14}" for v in (r[k] for k in keys)))
+        print(" ".join(f"{v:>14.4g}" if isinstance(v, float) else f"{str(v):>14}" for v in (r.get(k) for k in keys)))
     return 0
 
 

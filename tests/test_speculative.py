@@ -80,6 +80,24 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels run on a CPU only under TRITON_INTERPRET=1")
+def test_verify_steps_replay_the_padded_static_path(pair):
+    """With the Triton backend, verify steps run on the verify graphs' static buffers (the
+    interpreter on a CPU), every sequence padded to k + 1 tokens: still plain decoding's tokens."""
+    target, _ = pair
+    short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = tokens(llm(target).generate(PROMPTS, short, use_tqdm=False))
+    spec = llm(target, attention_backend="triton",
+               speculative_config={**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
+    graphs, used = spec.engine.runner.verify_graphs, []
+    run = graphs.run
+    graphs.run = lambda step, *a: used.append(len(step.seq_lens)) or run(step, *a)
+    outs = spec.generate(PROMPTS, short, use_tqdm=False)
+    assert tokens(outs) == want and used and graphs.queries == 4
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
 def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, int]:
     bins = set(a) | set(b)
     ca, cb = (torch.bincount(torch.tensor(x), minlength=max(bins) + 1).float() for x in (a, b))

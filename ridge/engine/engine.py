@@ -158,7 +158,10 @@ class Engine:
     def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight
         step's ids (the wait for them overlaps the step just launched)."""
-        prev = self.overlap.launch_ahead()
+        if self.speculator is not None and self.speculator.active(self.scheduler.running):
+            prev, self.overlap.inflight = self.overlap.inflight, None   # commit it; the next step drafts
+        else:
+            prev = self.overlap.launch_ahead()
         ahead = self.overlap.inflight
         if ahead is not None:
             self.num_decode_steps += 1

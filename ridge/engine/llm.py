@@ -44,7 +44,9 @@ class LLM:
             raise ValueError(f"{name}: too small to hold a single KV page")
         runner.allocate_kv_cache(cfg.num_pages)
         runner.warm_up_prefill()
-        runner.setup_decode(use_graphs=not cfg.enforce_eager)
+        verify = (cfg.speculation.num_speculative_tokens + 1, min(cfg.max_num_seqs, speculator.cutoff)) \
+            if speculator is not None else ()
+        runner.setup_decode(not cfg.enforce_eager, *verify)      # verify steps replay graphs of their own
         if draft_runner is not None:
             speculator.proposer.allocate(cfg.num_pages, use_graphs=not cfg.enforce_eager)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)

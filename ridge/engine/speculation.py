@@ -99,12 +99,14 @@ class Speculator:
         # totals since start (vLLM: spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
-    def _limit(self, seq: Sequence, batch: int) -> int:
-        """Drafts the sequence may take this step (0: it does not speculate)."""
+    def _limit(self, seq: Sequence, batch: int, decoding: bool = True) -> int:
+        """Drafts the sequence may take this step (0: it does not speculate); `decoding`: only if
+        its prompt is done and its last token is all it has left to compute."""
         p = seq.request.params
-        if seq.status != SeqStatus.RUNNING or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
-                or seq.num_output_tokens < p.min_tokens:     # min_tokens bans stop tokens per position
+        if decoding and (seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1):
             return 0
+        if seq.status != SeqStatus.RUNNING or seq.num_output_tokens < p.min_tokens:   # min_tokens bans stops
+            return 0                                                                   # per position
         if batch > self.cutoff and not (p.seed is not None and p.temperature > 0):
             return 0
         acc = self.acceptance.get(seq.seq_id)
@@ -115,8 +117,9 @@ class Speculator:
                           self.max_model_len - seq.num_tokens - 1))
 
     def active(self, seqs: list[Sequence]) -> bool:
-        """Whether any of these sequences would get drafts (the engine then does not overlap steps)."""
-        return any(self._limit(s, len(seqs)) for s in seqs)
+        """Whether any of these running sequences would get drafts at its next decode step (the
+        engine then does not launch that step ahead of this one's ids: drafts need them)."""
+        return any(self._limit(s, len(seqs), decoding=False) for s in seqs)
 
     def plan(self, running: list[Sequence]) -> None:
         """Before the schedule: ask the proposer for the drafts of this step's speculating sequences."""

@@ -35,7 +35,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class DecodeInputs:
-    """One decode step as host lists: per sequence its last token, position, slot, length, pages."""
+    """One decode (or verify) step as host lists: per sequence its `queries` tokens' ids, positions
+    and slots, end to end, and per sequence its length and pages."""
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
@@ -44,36 +45,43 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
+    """`queries` tokens a sequence: 1 for decode steps; k + 1 for speculative verify steps, whose
+    shorter drafts are padded (slot -1, rows not read), so one graph per batch bucket serves every
+    draft length: in the memory-bound batches where speculation runs, the padded rows cost little."""
+
     def __init__(self, model, layer_caches, max_num_seqs: int, max_model_len: int, page_size: int,
-                 device: torch.device):
-        self.model, self.layer_caches, self.device = model, layer_caches, device
+                 device: torch.device, queries: int = 1):
+        self.model, self.layer_caches, self.device, self.queries = model, layer_caches, device, queries
         self.buckets = batch_buckets(max_num_seqs)
         self.max_bs, self.max_pages, self.max_model_len = self.buckets[-1], -(-max_model_len // page_size), max_model_len
-        B, P = self.max_bs, self.max_pages
-        # int64 staging: [input_ids | positions | slots | source rows of ids still on the device];
-        # int32: [query_start_loc (B+1) | seq_lens | tables]. Two pinned sets, used in turn: with
-        # the engine's overlapped decode, step N+1 is staged while step N's copies may still be
-        # queued behind the GPU's work, but by step N+2 the engine has waited for step N.
+        B, P, T = self.max_bs, self.max_pages, self.max_bs * queries
+        # int64 staging: [input_ids | positions | slots (T each) | source rows of ids still on the
+        # device (B)]; int32: [query_start_loc (B+1) | seq_lens | tables]. Two pinned sets, used in
+        # turn: with the engine's overlapped decode, step N+1 is staged while step N's copies may
+        # still be queued behind the GPU's work, but by step N+2 the engine has waited for step N.
         pin = device.type == "cuda"
-        self.host64 = [torch.zeros(4 * B, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host64 = [torch.zeros(3 * T + B, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.host32 = [torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.host_tables = [h[2 * B + 1:].view(B, P).numpy() for h in self.host32]
         self.turn = 0
-        self.dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
+        self.dev64 = torch.zeros(3 * T + B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * P, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slots, self.source_rows = self.dev64.view(4, B)
+        self.input_ids, self.positions, self.slots = self.dev64[:3 * T].view(3, T)
+        self.source_rows = self.dev64[3 * T:]
         self.query_start_loc, self.seq_lens = self.dev32[:B + 1], self.dev32[B + 1:2 * B + 1]
         self.page_tables = self.dev32[2 * B + 1:].view(B, P)
         self.graphs, self.logits = {}, {}          # bucket -> its CUDA graph, its static logits
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        L = self.max_model_len
-        return AttentionMetadata(self.slots[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
-                                 self.page_tables[:bs], list(range(bs + 1)), [L] * bs, max_query_len=1, max_seq_len=L)
+        L, Q = self.max_model_len, self.queries
+        return AttentionMetadata(self.slots[:bs * Q], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
+                                 self.page_tables[:bs], list(range(0, (bs + 1) * Q, Q)), [L] * bs, max_query_len=Q,
+                                 max_seq_len=L)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.layer_caches, self._meta(bs))
+        rows = bs * self.queries
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], self.layer_caches, self._meta(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -90,41 +98,45 @@ class DecodeGraphs:
             pool, self.graphs[bs] = g.pool(), g
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs),
+        log.info("captured %d %s CUDA graphs (batch %s) in %.1f s", len(self.graphs),
+                 "decode" if self.queries == 1 else f"verify ({self.queries} tokens a sequence)",
                  ",".join(map(str, self.buckets)), self.capture_seconds)
 
     @torch.inference_mode()
     def fill_idle(self) -> None:
-        """Harmless inputs in every row: no query beyond one per row, slot -1, context 1."""
+        """Harmless inputs in every row: `queries` queries a sequence, slot -1, no cached prefix."""
         self.dev64.zero_()
         self.slots.fill_(-1)
-        self.query_start_loc.copy_(torch.arange(self.max_bs + 1, dtype=torch.int32, device=self.device))
-        self.seq_lens.fill_(1)
+        self.query_start_loc.copy_(torch.arange(0, (self.max_bs + 1) * self.queries, self.queries,
+                                                dtype=torch.int32, device=self.device))
+        self.seq_lens.fill_(self.queries)
         self.page_tables.zero_()
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, step: DecodeInputs, previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
-        """Fill the static inputs for n sequences and replay; returns logits [n, vocab]. With
-        `previous` = (the last step's sampled ids on the device, each input's row in it), the input
-        ids are gathered on the device: the host has not seen them (step.input_ids: placeholders)."""
-        n, B, P = len(step.input_ids), self.max_bs, self.max_pages
+        """Fill the static inputs for n sequences and replay; returns logits [n * queries, vocab].
+        With `previous` = (the last step's sampled ids on the device, each input's row in it), the
+        input ids are gathered on the device: the host has not seen them (step.input_ids:
+        placeholders; decode steps only)."""
+        n, B, P, Q = len(step.seq_lens), self.max_bs, self.max_pages, self.queries
+        T, nq = B * Q, len(step.seq_lens) * Q
         bs = self.bucket_for(n)
         h64, h32, tables = self.host64[self.turn], self.host32[self.turn], self.host_tables[self.turn]
         self.turn ^= 1
         if previous is None:
-            if n and min(step.input_ids) < 0:
+            if nq and min(step.input_ids) < 0:
                 raise RuntimeError("decode step: an input id is still pending on the device")
-            h64[:n] = torch.tensor(step.input_ids, dtype=torch.int64)
+            h64[:nq] = torch.tensor(step.input_ids, dtype=torch.int64)
         else:
-            h64[3 * B:3 * B + n] = torch.tensor(previous[1], dtype=torch.int64)
-        h64[B:B + n] = torch.tensor(step.positions, dtype=torch.int64)
-        h64[2 * B:2 * B + n] = torch.tensor(step.slots, dtype=torch.int64)
-        h64[2 * B + n:2 * B + bs] = -1                      # padding rows write nowhere
-        # query_start_loc: row i owns query i; padding rows own none (start = end = n)
-        h32[:n + 1] = torch.arange(n + 1, dtype=torch.int32)
-        h32[n + 1:bs + 1] = n
+            h64[3 * T:3 * T + n] = torch.tensor(previous[1], dtype=torch.int64)
+        h64[T:T + nq] = torch.tensor(step.positions, dtype=torch.int64)
+        h64[2 * T:2 * T + nq] = torch.tensor(step.slots, dtype=torch.int64)
+        h64[2 * T + nq:2 * T + bs * Q] = -1                  # padding rows write nowhere
+        # query_start_loc: sequence i owns queries [i Q, (i + 1) Q); padding sequences own none
+        h32[:n + 1] = torch.arange(0, (n + 1) * Q, Q, dtype=torch.int32)
+        h32[n + 1:bs + 1] = nq
         h32[B + 1:B + 1 + n] = torch.tensor(step.seq_lens, dtype=torch.int32)
         h32[B + 1 + n:B + 1 + bs] = 1
         for i, t in enumerate(step.page_tables):     # numpy view of the pinned buffer: cheap row writes
@@ -136,6 +148,6 @@ class DecodeGraphs:
             torch.index_select(previous[0], 0, self.source_rows[:n], out=self.input_ids[:n])
         if bs in self.graphs:
             self.graphs[bs].replay()
-            return self.logits[bs][:n]
+            return self.logits[bs][:nq]
         with torch.inference_mode():
-            return self._forward(bs)[:n]
+            return self._forward(bs)[:nq]

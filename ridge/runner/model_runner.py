@@ -58,7 +58,7 @@ class ModelRunner:
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
         # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
-        self.kv_cache, self.kv_scales, self.decode_graphs = None, None, None
+        self.kv_cache, self.kv_scales, self.decode_graphs, self.verify_graphs = None, None, None, None
         self.warm_up_seconds = 0.0
         # pinned landing buffers + events for sampled ids read back without waiting (tokens_to_host):
         # at most two decode steps' ids are in flight (one committed, one launched ahead): two, in turn
@@ -100,17 +100,25 @@ class ModelRunner:
             self.kv_scales = torch.ones(shape, dtype=KV_SCALE_DTYPE, device=self.device)
             self.layer_caches = [(*c, self.kv_scales[i, 0], self.kv_scales[i, 1]) for i, c in enumerate(self.layer_caches)]
 
-    def setup_decode(self, use_graphs: bool) -> None:
+    def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
         with the Triton backend (the torch reference reads host-side lengths a graph cannot see
-        change). On a CPU the Triton interpreter runs the same padded static path."""
+        change). On a CPU the Triton interpreter runs the same padded static path. With speculation,
+        the same for verify steps of up to verify_max_bs sequences, verify_queries tokens each."""
         if self.backend.name != "triton":
             return
-        self.decode_graphs = DecodeGraphs(self.model, self.layer_caches, self.cfg.max_num_seqs,
-                                          self.cfg.max_model_len, self.cfg.page_size, self.device)
-        self.decode_graphs.fill_idle()
-        if use_graphs and self.device.type == "cuda":
-            self.decode_graphs.capture()
+        graphs = [(self.cfg.max_num_seqs, 1)] + ([(verify_max_bs, verify_queries)] if verify_queries > 1
+                                                 and verify_max_bs > 0 else [])
+        for max_bs, queries in graphs:
+            g = DecodeGraphs(self.model, self.layer_caches, max_bs, self.cfg.max_model_len, self.cfg.page_size,
+                             self.device, queries)
+            g.fill_idle()
+            if use_graphs and self.device.type == "cuda":
+                g.capture()
+            if queries == 1:
+                self.decode_graphs = g
+            else:
+                self.verify_graphs = g
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
@@ -140,6 +148,27 @@ class ModelRunner:
         return DecodeInputs([i.seq.token_ids[i.start] for i in items], [i.start for i in items],
                             [slot_of(i.seq.page_table, i.start, ps) for i in items], [i.start + 1 for i in items],
                             [i.seq.page_table for i in items])
+
+    def verify_inputs(self, sched) -> tuple[DecodeInputs, list[int]] | None:
+        """The step as a verify batch (every sequence decodes its last token and its drafts, some
+        none), each padded to the verify graphs' tokens a sequence (slot -1, the last real position),
+        and the rows of their logits each item samples; None for any other step."""
+        items, g, ps = sched.scheduled, self.verify_graphs, self.cfg.page_size
+        if g is None or len(items) > g.max_bs or not any(i.num_draft for i in items) or any(
+                not i.samples or i.num_new_tokens != 1 + i.num_draft or i.num_draft >= g.queries
+                or i.seq.prompt_logprobs is not None for i in items):
+            return None
+        Q, step, rows = g.queries, DecodeInputs([], [], [], [], []), []
+        for r, item in enumerate(items):
+            seq, start, d = item.seq, item.start, item.num_draft
+            pad = Q - 1 - d
+            step.input_ids += [seq.token_ids[start], *seq.draft_token_ids[:d]] + [0] * pad
+            step.positions += [*range(start, start + d + 1)] + [start + d] * pad
+            step.slots += [slot_of(seq.page_table, p, ps) for p in range(start, start + d + 1)] + [-1] * pad
+            step.seq_lens.append(start + Q)                # the cached prefix is [0, start)
+            step.page_tables.append(seq.page_table)
+            rows += range(r * Q, r * Q + d + 1)
+        return step, rows
 
     def prepare(self, sched):
         bs = self.cfg.page_size
@@ -190,6 +219,10 @@ class ModelRunner:
         decode = self.decode_inputs(sched)
         if decode is not None:
             return ForwardOutput(self.decode_graphs.run(decode, previous), static_decode=True)
+        verify = self.verify_inputs(sched) if previous is None else None
+        if verify is not None:
+            logits = self.verify_graphs.run(verify[0])
+            return ForwardOutput(logits.index_select(0, self.to_device(verify[1], torch.int64)))
         if previous is not None:
             raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
         input_ids, positions, meta, sample_rows = self.prepare(sched)
