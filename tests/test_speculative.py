@@ -32,7 +32,12 @@ PROMPTS = [repetitive(i) for i in range(3)] + [prompt_of(21, 5), prompt_of(3, 6)
 
 
 def llm(model, **kw):
-    return LLM(model, device="cpu", show_progress=False, max_model_len=256, **kw)
+    """An engine; with speculation, its step clock always lets drafts run: whether they pay in time
+    on this machine is the clock's own test, the rest of this file checks what they do."""
+    engine_llm = LLM(model, device="cpu", show_progress=False, max_model_len=256, **kw)
+    if engine_llm.engine.speculator is not None:
+        engine_llm.engine.speculator.clock.pays = lambda batch: True
+    return engine_llm
 
 
 def tokens(outs):
@@ -290,7 +295,54 @@ def test_gpu_greedy_follows_plain_decoding(proposer):
     kw = dict(dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=1024)
     want = tokens(LLM(DEMO, show_progress=False, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
     spec = LLM(DEMO, show_progress=False, speculative_config=NGRAM if proposer == "ngram" else draft_model(DRAFT), **kw)
+    spec.engine.speculator.clock.pays = lambda batch: True     # the demo pair is launch-bound: keep drafting
     outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     for a, b in zip(tokens(outs), want):
         assert a[:8] == b[:8], (a, b)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
+    from ridge.engine.speculation import PROBE, StepClock
+    clock = StepClock()
+    assert clock.pays(4)                                   # nothing timed: try drafts
+    clock.observe(4, True, tokens=2, seconds=0.010)        # 5 ms a token with drafts
+    assert not clock.pays(4)                               # time plain decoding once
+    clock.observe(4, False, tokens=4, seconds=0.004)       # 1 ms a token without
+    assert not clock.pays(4) and clock.pays(64)            # slower: off at this batch size only
+    for _ in range(PROBE - 2):
+        clock.observe(4, False, tokens=4, seconds=0.004)
+        assert not clock.pays(4)
+    clock.observe(4, False, tokens=4, seconds=0.004)
+    assert clock.pays(4)                                   # PROBE plain steps on: a probe re-times drafts
+    for _ in range(20):
+        clock.observe(4, True, tokens=12, seconds=0.004)   # now they pay
+    assert clock.pays(4)
+
+
+class Slow:
+    """Proposes the right tokens (a recorded continuation), but slowly."""
+
+    def __init__(self, records):
+        self.records = records
+
+    def propose(self, seqs, limits):
+        import time
+        time.sleep(0.05)
+        return Proposal([self.records[tuple(s.token_ids[:s.num_prompt_tokens])][s.num_output_tokens:][:lim]
+                         for s, lim in zip(seqs, limits)])
+
+    def release(self, seq_ids):
+        pass
+
+
+def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain):
+    """All drafts are accepted, but proposing takes longer than the tokens it saves: the step clock
+    turns speculation off at that batch size (probing again every PROBE steps)."""
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    want = demo_plain.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=256, speculative_config=NGRAM)
+    spec.engine.speculator.proposer = Slow({tuple(PROMPTS[3]): want})
+    out = spec.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want
+    assert 1 <= out.metrics.num_drafts <= 4 and out.metrics.num_accepted_tokens == 4 * out.metrics.num_drafts

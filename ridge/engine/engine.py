@@ -50,6 +50,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None, speculator=None):
         self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
         self.speculator = speculator                # ridge/engine/speculation.py, or None
+        self.decode_kind: str | None = None         # the last step: "plain" or "verify" decode, else None
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -91,7 +92,19 @@ class Engine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
-        outputs copies each request's lists, which offline callers need not pay every step."""
+        outputs copies each request's lists, which offline callers need not pay every step. With
+        speculation, a decode step's time per token goes to the speculator's clock."""
+        if self.speculator is None:
+            return self._step(finished_only)
+        t0, tokens0, batch = time.perf_counter(), self.committer.generation_tokens, len(self.scheduler.running)
+        self.decode_kind = None
+        outputs = self._step(finished_only)
+        if self.decode_kind is not None:
+            self.speculator.clock.observe(batch, self.decode_kind == "verify",
+                                          self.committer.generation_tokens - tokens0, time.perf_counter() - t0)
+        return outputs
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         if self.overlap.inflight is not None:
             return self._step_overlapped(finished_only)
         if self.speculator is not None:
@@ -109,8 +122,11 @@ class Engine:
                 seq.prompt_logprobs[p] = v
         items = [item for item in sched.scheduled if item.samples]
         self._advance(sched)
+        decoding = len(items) == len(sched.scheduled) and all(i.num_new_tokens == 1 + i.num_draft for i in items)
         if any(item.num_draft for item in items):
+            self.decode_kind = "verify" if decoding else None
             return self._outputs(self._commit_speculative(items, fwd.logits), finished_only)
+        self.decode_kind = "plain" if decoding else None
         sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
@@ -163,6 +179,7 @@ class Engine:
         else:
             prev = self.overlap.launch_ahead()
         ahead = self.overlap.inflight
+        self.decode_kind = "plain"
         if ahead is not None:
             self.num_decode_steps += 1
         tokens = self.runner.host_tokens(prev.host, prev.done)

@@ -18,7 +18,13 @@ decode step, i.e. while it is memory-bound (seed 002: the weights are read once 
 the row count). `memory_bound_batch` finds the largest batch for which the model's own cost model
 (`model.cost`, the roofline's) puts a verify step's FLOPs at the measured matmul roof under its
 bytes at the measured bandwidth; above it no sequence speculates (vLLM's `disable_by_batch_size`,
-which overrides it). Per sequence, the drafts' measured acceptance sets k: the geometric-run
+which overrides it). The cost model does not see host work: a small model whose decode step is a
+fraction of a millisecond is bound by launches and the host, where drafting (a draft model's
+steps, each read back) and verifying cost more than the tokens they save. So the engine also
+times its decode steps (`StepClock`: seconds per emitted token, by batch size, with and without
+drafts) and a batch size whose speculating steps are slower per token than plain ones stops
+speculating; every PROBE steps the other way is tried again, so a change (longer contexts,
+better drafts) is noticed. Per sequence, the drafts' measured acceptance sets k: the geometric-run
 estimate alpha = accepted / (accepted + rejections) over a decaying window picks the k that
 maximises the expected tokens per unit of verify cost, (1 - alpha^(k+1)) / (1 - alpha) over
 (1 + OVERHEAD + draft_cost * k), and a sequence whose best is under one token per plain step pauses
@@ -26,7 +32,8 @@ for PAUSE tokens (doubling while it keeps failing), then tries again.
 
 Determinism. The acceptance state is the sequence's own and the pause is counted in its own
 tokens, so a seeded request speculates the same way alone or in any batch; the batch-size cutoff
-would break that, so a seeded request that samples (temperature > 0) is exempt from it. Greedy
+and the step clock would break that, so a seeded request that samples (temperature > 0) is
+exempt from both. Greedy
 requests give plain decoding's tokens whether they speculate or not.
 """
 from __future__ import annotations
@@ -48,6 +55,40 @@ PAUSE = 16            # output tokens a sequence goes without drafts after its d
 MAX_PAUSE = 256
 DECAY = 0.8           # weight of the acceptance history per verify step
 VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
+PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed
+MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
+CLOCK_DECAY = 0.8     # weight of the timing history per observed step
+
+
+class StepClock:
+    """Seconds per emitted token of pure decode steps, by batch size (powers of two) and by whether
+    they verified drafts; decides whether speculating pays at a batch size."""
+
+    def __init__(self):
+        self.per_token: dict[tuple[int, bool], float] = {}
+        self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(batch, 1).bit_length()
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        b = self.bucket(batch)
+        x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
+        self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
+        self.since[(b, speculated)] = 0
+        self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
+
+    def pays(self, batch: int) -> bool:
+        """Speculate at this batch size: until both ways are timed, while drafts are no slower per
+        token, and once every PROBE steps either way to re-time the one that is losing."""
+        b = self.bucket(batch)
+        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
+        if spec is None or plain is None:
+            return spec is None                    # time the way not yet timed
+        if spec <= plain * (1 + MARGIN):
+            return self.since.get((b, False), 0) < PROBE
+        return self.since.get((b, True), 0) >= PROBE
 
 
 @dataclass
@@ -94,6 +135,7 @@ class Speculator:
         self.k, self.proposer, self.runner, self.cutoff = spec.num_speculative_tokens, proposer, runner, cutoff
         self.max_model_len, self.eos_ids, self.draft_cost = max_model_len, eos_ids, draft_cost
         self.acceptance: dict[int, Acceptance] = {}
+        self.clock = StepClock()
         self.proposal: Proposal | None = None
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
         # totals since start (vLLM: spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)
@@ -107,7 +149,7 @@ class Speculator:
             return 0
         if seq.status != SeqStatus.RUNNING or seq.num_output_tokens < p.min_tokens:   # min_tokens bans stops
             return 0                                                                   # per position
-        if batch > self.cutoff and not (p.seed is not None and p.temperature > 0):
+        if (batch > self.cutoff or not self.clock.pays(batch)) and not (p.seed is not None and p.temperature > 0):
             return 0
         acc = self.acceptance.get(seq.seq_id)
         if acc is not None and seq.num_output_tokens < acc.resume_at:
