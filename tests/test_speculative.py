@@ -315,9 +315,15 @@ def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
         assert not clock.pays(4)
     clock.observe(4, False, tokens=4, seconds=0.004)
     assert clock.pays(4)                                   # PROBE plain steps on: a probe re-times drafts
+    clock.observe(4, True, tokens=2, seconds=0.010)        # the probe: still slower
+    for _ in range(2 * PROBE - 1):                         # so the next probe waits twice as long
+        clock.observe(4, False, tokens=4, seconds=0.004)
+        assert not clock.pays(4)
+    clock.observe(4, False, tokens=4, seconds=0.004)
+    assert clock.pays(4)
     for _ in range(20):
         clock.observe(4, True, tokens=12, seconds=0.004)   # now they pay
-    assert clock.pays(4)
+    assert clock.pays(4) and clock.interval[clock.bucket(4)] == PROBE
 
 
 class Slow:

@@ -55,7 +55,8 @@ PAUSE = 16            # output tokens a sequence goes without drafts after its d
 MAX_PAUSE = 256
 DECAY = 0.8           # weight of the acceptance history per verify step
 VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
-PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed
+PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
+MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
 MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
 CLOCK_DECAY = 0.8     # weight of the timing history per observed step
 
@@ -67,28 +68,37 @@ class StepClock:
     def __init__(self):
         self.per_token: dict[tuple[int, bool], float] = {}
         self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
+        self.interval: dict[int, int] = {}                # steps between probes of the losing way
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
 
+    def _spec_wins(self, b: int) -> bool | None:
+        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
+        return None if spec is None or plain is None else spec <= plain * (1 + MARGIN)
+
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         b = self.bucket(batch)
+        before = self._spec_wins(b)
         x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
         self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
         self.since[(b, speculated)] = 0
         self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
+        after = self._spec_wins(b)
+        if before is not None and before != speculated:          # a probe of the losing way:
+            lost = after == before                               # it lost again: probe half as often
+            self.interval[b] = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
 
     def pays(self, batch: int) -> bool:
         """Speculate at this batch size: until both ways are timed, while drafts are no slower per
-        token, and once every PROBE steps either way to re-time the one that is losing."""
+        token, and once every interval steps either way to re-time the one that is losing."""
         b = self.bucket(batch)
-        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
-        if spec is None or plain is None:
-            return spec is None                    # time the way not yet timed
-        if spec <= plain * (1 + MARGIN):
-            return self.since.get((b, False), 0) < PROBE
-        return self.since.get((b, True), 0) >= PROBE
+        wins = self._spec_wins(b)
+        if wins is None:
+            return (b, True) not in self.per_token      # time the way not yet timed
+        loser_waited = self.since.get((b, not wins), 0) >= self.interval.get(b, PROBE)
+        return wins != loser_waited
 
 
 @dataclass
