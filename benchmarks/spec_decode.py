@@ -202,17 +202,18 @@ class Oracle:
 @torch.no_grad()
 def without_near_ties(llm) -> None:
     """Dummy weights, reshaped so greedy decoding has a wide margin: random weights leave the top two
-    logits of the 8B shape ~0.1 apart, and bf16 differences between the verify and the decode
+    logits of the 8B shape ~0.1-0.3 apart, and bf16 differences between the verify and the decode
     kernels (up to ~0.3 there) flip such ties, after which a recorded continuation is stale. With
-    the LM head tied to the embedding and the residual branches scaled down, the residual stream
-    stays near the last token's embedding and its own logit wins by far. Same shapes, same kernels,
-    same bytes: the timing is unchanged."""
+    the LM head tied to the embedding and the residual branches scaled by 1e-3 (not zeroed: zeros
+    can run faster), the residual stream stays at the last token's embedding, whose own logit wins
+    by far: greedy decoding repeats the last prompt token. Same shapes, kernels and bytes: the
+    timing is unchanged."""
     model = llm.engine.runner.model
     if hasattr(model, "lm_head"):                  # (a tied model reads the embedding already)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.mul_(0.1)
-        layer.mlp.down_proj.weight.mul_(0.1)
+        layer.self_attn.o_proj.weight.mul_(1e-3)
+        layer.mlp.down_proj.weight.mul_(1e-3)
 
 
 def run_oracle(a) -> dict:
