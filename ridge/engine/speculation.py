@@ -25,10 +25,11 @@ times its decode steps (`StepClock`: seconds per emitted token, by batch size, w
 drafts) and a batch size whose speculating steps are slower per token than plain ones stops
 speculating; every PROBE steps the other way is tried again, so a change (longer contexts,
 better drafts) is noticed. Per sequence, the drafts' measured acceptance sets k: the geometric-run
-estimate alpha = accepted / (accepted + rejections) over a decaying window picks the k that
-maximises the expected tokens per unit of verify cost, (1 - alpha^(k+1)) / (1 - alpha) over
-(1 + OVERHEAD + draft_cost * k), and a sequence whose best is under one token per plain step pauses
-for PAUSE tokens (doubling while it keeps failing), then tries again.
+estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
+trials are in) picks the k that maximises the expected tokens per unit of verify cost,
+(1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
+under one token per plain step pauses for PAUSE tokens (doubling while it keeps failing), then
+tries again.
 
 Determinism. The acceptance state is the sequence's own and the pause is counted in its own
 tokens, so a seeded request speculates the same way alone or in any batch; the batch-size cutoff
@@ -54,6 +55,7 @@ OVERHEAD = 0.1        # a verify step's extra cost over a plain decode step (eag
 PAUSE = 16            # output tokens a sequence goes without drafts after its drafts stop paying
 MAX_PAUSE = 256
 DECAY = 0.8           # weight of the acceptance history per verify step
+MIN_TRIALS = 3.0      # decayed trials before the acceptance estimate sets k or pauses
 VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
 PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
 MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
@@ -109,7 +111,8 @@ class Acceptance:
     resume_at: int = 0          # output length before which the sequence does not speculate
     pause: int = PAUSE
 
-    alpha = property(lambda self: self.accepted / self.trials if self.trials else None)
+    # None until MIN_TRIALS (decayed) trials: one early rejection must not pause a good proposer
+    alpha = property(lambda self: self.accepted / self.trials if self.trials >= MIN_TRIALS else None)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -228,8 +231,7 @@ class Speculator:
         acc.trials = DECAY * acc.trials + accepted + (accepted < drafted)
         if best_k(acc.alpha, self.k, self.draft_cost) == 0:
             acc.resume_at = seq.num_output_tokens + drafted + 1 + acc.pause
-            acc.pause = min(2 * acc.pause, MAX_PAUSE)
-            acc.accepted = acc.trials = 0.0          # a fresh estimate after the pause
+            acc.pause = min(2 * acc.pause, MAX_PAUSE)  # the history stays: a failed retry pauses again
         else:
             acc.pause = PAUSE
         req = seq.request
