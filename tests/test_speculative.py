@@ -334,7 +334,7 @@ class Slow:
 
     def propose(self, seqs, limits):
         import time
-        time.sleep(0.05)
+        time.sleep(0.3)         # far above a plain step of the demo model, even on a loaded CPU
         return Proposal([self.records[tuple(s.token_ids[:s.num_prompt_tokens])][s.num_output_tokens:][:lim]
                          for s, lim in zip(seqs, limits)])
 

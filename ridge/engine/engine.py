@@ -51,6 +51,7 @@ class Engine:
         self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
         self.speculator = speculator                # ridge/engine/speculation.py, or None
         self.decode_kind: str | None = None         # the last step: "plain" or "verify" decode, else None
+        self.clock_pending: tuple[str, float] | None = None   # decode time not yet matched with tokens
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -99,10 +100,24 @@ class Engine:
         t0, tokens0, batch = time.perf_counter(), self.committer.generation_tokens, len(self.scheduler.running)
         self.decode_kind = None
         outputs = self._step(finished_only)
-        if self.decode_kind is not None:
-            self.speculator.clock.observe(batch, self.decode_kind == "verify",
-                                          self.committer.generation_tokens - tokens0, time.perf_counter() - t0)
+        self._time_decode(batch, self.committer.generation_tokens - tokens0, time.perf_counter() - t0)
         return outputs
+
+    def _time_decode(self, batch: int, tokens: int, seconds: float) -> None:
+        """Give the speculator's clock the time per token of decode steps. A step whose ids stay on
+        the device commits nothing yet: its time goes with the step that commits its tokens."""
+        kind, pending = self.decode_kind, self.clock_pending
+        if kind is None or (pending is not None and pending[0] != kind):
+            self.clock_pending = None                       # a prefill, or the kind changed: start over
+            if kind is None:
+                return
+        pending = self.clock_pending or (kind, 0.0)
+        seconds += pending[1]
+        if tokens:
+            self.speculator.clock.observe(batch, kind == "verify", tokens, seconds)
+            self.clock_pending = None
+        else:
+            self.clock_pending = (kind, seconds)
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         if self.overlap.inflight is not None:
