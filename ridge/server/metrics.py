@@ -60,12 +60,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("ridge_decode_overlap_ratio", "overlapped / decode steps since start (0 before any)",
                                 value=st.overlap_fraction or 0.0)
         # speculative decoding, vLLM's names (vllm:spec_decode_*), zero without a speculative_config
-        yield CounterMetricFamily("ridge_spec_decode_num_drafts", "verify steps of a sequence with drafts",
-                                  value=st.spec_num_drafts)
-        yield CounterMetricFamily("ridge_spec_decode_num_draft_tokens", "draft tokens proposed",
-                                  value=st.spec_num_draft_tokens)
-        yield CounterMetricFamily("ridge_spec_decode_num_accepted_tokens", "draft tokens the target accepted",
-                                  value=st.spec_num_accepted_tokens)
+        for name, text, value in (("num_drafts", "verify steps of a sequence with drafts", st.spec_num_drafts),
+                                  ("num_draft_tokens", "draft tokens proposed", st.spec_num_draft_tokens),
+                                  ("num_accepted_tokens", "draft tokens the target accepted",
+                                   st.spec_num_accepted_tokens)):
+            yield CounterMetricFamily(f"ridge_spec_decode_{name}", text, value=value)
 
 
 class ServerMetrics:
