@@ -30,7 +30,7 @@ def activations(m, k, dtype, seed, device="cpu"):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("m,k", [(1, 128), (7, 200), (3, 5), (4, 328)])
+@pytest.mark.parametrize("m,k", [(1, 128), (7, 200), (3, 5), (4, 328), (45, 200)])
 def test_activation_quantization_is_the_reference_bit_for_bit(m, k, dtype):
     x = activations(m, k, dtype, seed=m * k)
     q, s = quantize_act_fp8(x)
