@@ -6,7 +6,7 @@ halved weight bytes save (block-FP8 is slower than bf16 at small M in vLLM, PR #
 kernel is fastest at prefill sizes (ridge's Triton kernel at one of a few tile configs, or
 cuBLAS's block-scaled torch._scaled_mm) differs per GPU. So for each (N, K) the engine loads it
 times, at one representative batch size per bucket (BUCKETS), every candidate on the same random
-operands, the activation quantization included in the FP8 ones:
+operands, the activation quantization included in the FP8 ones, replayed from a CUDA graph:
   * "triton:<config>": ridge's fp8_gemm at each of TRITON_CONFIGS (pointer-load tiles, split K,
     the persistent TMA kernel),
   * "cublas": cublas_fp8_gemm,
@@ -41,7 +41,7 @@ TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_g
     "ptr64x128k4": dict(block_m=64, block_n=128, num_warps=4, num_stages=4, split_k=4),
 }
 SPLIT_MAX_M = 512          # split K pays only while the tiles alone cannot fill the GPU
-VERSION = 1
+VERSION = 2                # 2: graph-replay timing
 
 
 def bucket_of(m: int) -> int:
@@ -62,16 +62,27 @@ def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv(x, w) if uses_gemv(x, w) else F.linear(x, w)
 
 
-def _time_us(fn, reps: int = 7, calls: int = 3) -> float:
-    """Median over reps of the mean time of `calls` back-to-back calls (CUDA events), after warm-up."""
+def _time_us(fn, reps: int = 7, calls: int = 10) -> float:
+    """Median over reps of the time per call of `calls` calls replayed from one CUDA graph, after
+    warm-up: decode steps replay their GEMMs from graphs, so a path's host launch cost (two launches
+    and TMA descriptors for the FP8 paths, one for bf16) must not decide a small batch's choice.
+    A path that cannot be captured is timed eagerly."""
     for _ in range(2):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run = graph.replay
+    except RuntimeError:
+        graph, run = None, lambda: [fn() for _ in range(calls)]     # noqa: E731
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
