@@ -199,6 +199,9 @@ class Speculator:
         in order. Returns each item's emitted tokens and, per emitted token, its logprob info
         (the sampler's (chosen, rank, top values, top ids) for that row, or None)."""
         seqs = [i.seq for i in items]
+        if all(s.request.params.temperature == 0 and not s.request.params.uses_penalties
+               and s.request.params.logprobs is None for s in seqs):
+            return self._verify_greedy(items, logits)
         n, k, vocab, dev = len(items), max(i.num_draft for i in items), logits.shape[-1], logits.device
         slots = [r * (k + 1) + j for r, i in enumerate(items) for j in range(i.num_draft + 1)]
         full = logits.new_zeros(n * (k + 1), vocab)
@@ -224,6 +227,20 @@ class Speculator:
                           for j in range(e)])
             self._record(item.seq, item.num_draft, e - 1)
         return out, infos
+
+    def _verify_greedy(self, items: list, logits: torch.Tensor) -> tuple[list[list[int]], list[list[None]]]:
+        """verify's greedy rule without the distributions: accept drafts while they equal the
+        target's argmax, then emit its argmax. One argmax over the rows and one read-back (the
+        sampling tensors, the point masses over the vocabulary and verify's ~40 small kernels
+        are host and launch time a greedy batch does not need)."""
+        best, out, at = logits.argmax(dim=-1).tolist(), [], 0
+        for item in items:
+            d, drafts = item.num_draft, item.seq.draft_token_ids
+            row, at = best[at:at + d + 1], at + d + 1
+            accepted = next((j for j in range(d) if drafts[j] != row[j]), d)
+            out.append(row[:accepted + 1])
+            self._record(item.seq, d, accepted)
+        return out, [[None] * len(e) for e in out]
 
     def _record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         acc = self.acceptance.setdefault(seq.seq_id, Acceptance())
