@@ -192,10 +192,9 @@ class SpeculativeConfig:
         if spec.prompt_lookup_max < spec.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max ({spec.prompt_lookup_max}) must be >= prompt_lookup_min "
                              f"({spec.prompt_lookup_min})")
-        if (spec.method == "draft_model") != (spec.model is not None):
-            raise ValueError("model: method 'draft_model' needs the draft checkpoint's directory, and only it takes one")
-        if spec.model is not None and not isinstance(spec.model, str):
-            raise ValueError(f"model must be a checkpoint directory, got {spec.model!r}")
+        if (spec.method == "draft_model") != (spec.model is not None) or not isinstance(spec.model, (str, type(None))):
+            raise ValueError(f"model: method 'draft_model' needs the draft checkpoint's directory (a path), and only it "
+                             f"takes one; got {spec.model!r} for {spec.method!r}")
         return spec
 
 
@@ -215,7 +214,6 @@ def _speculative_check(value) -> str | None:
         SpeculativeConfig.parse(value)
     except ValueError as e:
         return str(e)
-    return None
 
 
 def _device_check(value) -> str | None:
