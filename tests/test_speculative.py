@@ -83,6 +83,10 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
     assert tokens(outs) == want
     assert spec.engine.stats().num_preemptions > 0
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    spec.engine.speculator.plan([])                 # nothing runs: every sequence's draft state goes
+    if proposer == "draft":
+        draft = spec.engine.speculator.proposer
+        assert not draft.states and draft.pages.num_free_pages == draft.pages.num_pages
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ridge.engine.request import acceptance_rate, mean_accepted_length
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device. On CUDA the host runs ahead of the kernels it queued, so a host clock
@@ -137,8 +139,8 @@ def speculation(stats0, stats1) -> dict:
     proposed = stats1.spec_num_draft_tokens - stats0.spec_num_draft_tokens
     accepted = stats1.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
     return dict(spec_num_drafts=drafts, spec_num_draft_tokens=proposed, spec_num_accepted_tokens=accepted,
-                spec_acceptance_rate=accepted / proposed if proposed else None,
-                spec_mean_accepted_length=1 + accepted / drafts if drafts else None)
+                spec_acceptance_rate=acceptance_rate(accepted, proposed),
+                spec_mean_accepted_length=mean_accepted_length(accepted, drafts))
 
 
 def speculation_rows(r: dict) -> list[list[str]]:

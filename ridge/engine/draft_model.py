@@ -1,8 +1,8 @@
 """The draft-model proposer: a small model with the target's vocabulary, run by a runner of its own
 (its own paged KV pool, page allocator and decode CUDA graphs) beside the target's.
 
-Per target sequence it keeps a DraftSeq, the draft model's view: the tokens it last saw and the
-cache it computed for them. A proposal first brings that cache up to the sequence's current
+Per target sequence it keeps a Sequence of its own, the draft model's view: the tokens it last saw
+and its pages in the draft pool, with the cache it computed for them. A proposal first brings that cache up to the sequence's current
 tokens (the tokens the target accepted since; a rejected draft's cache entries are dropped by
 cutting the cache back to the longest prefix both agree on), in one batched chunk that samples
 the first draft, then runs one decode step per further draft, all speculating sequences batched.
@@ -19,6 +19,7 @@ import torch
 
 from ridge.config import EngineConfig, ModelConfig, SpeculativeConfig, model_dir
 from ridge.engine.pages import PageAllocator
+from ridge.engine.request import Sequence
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ridge.layers.spec_sampling import draft_probs, sample_probs
 from ridge.spec.proposer import Proposal
@@ -35,39 +36,12 @@ def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConf
     return dataclasses.replace(cfg, model=path, quantization=None, speculative_config=None), draft_model_cfg
 
 
-class DraftSeq:
-    """What the page allocator and the runner read of a sequence, for the draft model's cache."""
-
-    def __init__(self, seq):
-        self.seq_id, self.request, self.seed, self.num_prompt_tokens = seq.seq_id, seq.request, seq.seed, \
-            seq.num_prompt_tokens
-        self.token_ids: list[int] = []
-        self.num_seen = 0                    # tokens of the target sequence when last proposed for
-        self.page_table: list[int] = []
-        self.page_hashes: list[bytes] = []
-        self.num_computed_tokens = 0
-        self.prompt_logprobs = None
-        self.draft_token_ids: list[int] = []
-
-    num_tokens = property(lambda self: len(self.token_ids))
-    num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
-    output_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
-
-    def sync(self, token_ids: list[int]) -> None:
-        """Take the target's tokens; keep the cache of the prefix they share with what was seen."""
-        keep = min(self.num_computed_tokens, len(token_ids))
-        for i in range(min(self.num_seen, keep), keep):    # only tokens after the last sync may differ
-            if self.token_ids[i] != token_ids[i]:
-                keep = i
-                break
-        self.num_computed_tokens, self.token_ids, self.num_seen = keep, list(token_ids), len(token_ids)
-
-
 class DraftModelProposer:
     def __init__(self, runner, eos_ids: list[int]):
         self.runner, self.eos_ids = runner, eos_ids
         self.pages: PageAllocator | None = None
-        self.states: dict[int, DraftSeq] = {}
+        self.states: dict[int, Sequence] = {}       # target seq_id -> the draft model's sequence
+        self.seen: dict[int, int] = {}              # target seq_id -> its length when last proposed for
 
     def allocate(self, num_pages: int, use_graphs: bool) -> None:
         """The draft's KV pool (as many pages as the target's) and its decode path."""
@@ -80,16 +54,29 @@ class DraftModelProposer:
     def release(self, seq_ids: set[int]) -> None:
         for i in seq_ids:
             state = self.states.pop(i, None)
+            self.seen.pop(i, None)
             if state is not None:
                 self.pages.free(state)
 
+    def _sync(self, seq) -> Sequence:
+        """The draft's sequence for `seq`, taking its tokens and keeping the cache of the prefix they
+        share with what was computed (only tokens after the last proposal may differ)."""
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            state = self.states[seq.seq_id] = Sequence(seq.seq_id, seq.request, seq.sample_index, [],
+                                                       seq.num_prompt_tokens, seq.seed)
+        keep = min(state.num_computed_tokens, seq.num_tokens)
+        for i in range(min(self.seen.get(seq.seq_id, 0), keep), keep):
+            if state.token_ids[i] != seq.token_ids[i]:
+                keep = i
+                break
+        state.num_computed_tokens, state.token_ids = keep, list(seq.token_ids)
+        self.seen[seq.seq_id] = seq.num_tokens
+        return state
+
     @torch.inference_mode()
     def propose(self, seqs: list, limits: list[int]) -> Proposal:
-        states = []
-        for seq in seqs:
-            state = self.states.setdefault(seq.seq_id, DraftSeq(seq))
-            state.sync(seq.token_ids)
-            states.append(state)
+        states = [self._sync(seq) for seq in seqs]
         k, vocab = max(limits), self.runner.model_cfg.vocab_size
         probs = torch.zeros(len(seqs), k, vocab, device=self.runner.device)
         out: list[list[int]] = [[] for _ in seqs]

@@ -7,6 +7,7 @@ wiring together modules of their own: intake (validation, tokenization), schedul
 (decode steps launched before the previous step's ids are read back)."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -17,9 +18,10 @@ from ridge.engine.commit import Committer
 from ridge.engine.intake import Intake
 from ridge.engine.overlap import DecodeOverlap
 from ridge.engine.pages import PageAllocator
-from ridge.engine.request import Request, RequestOutput
+from ridge.engine.request import Request, RequestOutput, acceptance_rate, mean_accepted_length
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import Scheduler, SchedulerOutput
+from ridge.layers.sampler import info_on_host
 
 
 @dataclass
@@ -38,10 +40,10 @@ class EngineStats:
     spec_num_drafts: int = 0       # speculative decoding: a sequence's verify steps with drafts,
     spec_num_draft_tokens: int = 0  # the draft tokens proposed,
     spec_num_accepted_tokens: int = 0  # and of those accepted
-    spec_acceptance_rate = property(lambda self: self.spec_num_accepted_tokens / self.spec_num_draft_tokens
-                                    if self.spec_num_draft_tokens else None)
-    spec_mean_accepted_length = property(lambda self: 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
-                                         if self.spec_num_drafts else None)
+    spec_acceptance_rate = property(lambda self: acceptance_rate(self.spec_num_accepted_tokens,
+                                                                 self.spec_num_draft_tokens))
+    spec_mean_accepted_length = property(lambda self: mean_accepted_length(self.spec_num_accepted_tokens,
+                                                                           self.spec_num_drafts))
     overlap_fraction = property(lambda self: self.num_overlapped_steps / self.num_decode_steps
                                 if self.num_decode_steps else None)
 
@@ -151,28 +153,24 @@ class Engine:
                 and (self.speculator is None or not self.speculator.active(self.scheduler.running)):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
-        info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
-        return self._outputs(self.committer.commit(seqs, tokens.tolist(), info), finished_only)
+        return self._outputs(self.committer.commit(seqs, tokens.tolist(), info_on_host(info)), finished_only)
 
     def _commit_speculative(self, items: list, logits) -> list[Request]:
-        """A step with drafts: each sampling item has num_draft + 1 logits rows. Rows without
-        drafts sample as usual (their prompts are done or they decode: nothing forks in such a
-        step, since the speculator drafts only for decoding sequences, but a prefill's first
-        token may share it); rows with drafts are verified. Tokens are committed a position at a
-        time, so a stop or a length limit ends an accepted run where plain decoding would."""
-        ends = torch.tensor([i.num_draft + 1 for i in items]).cumsum(0)
+        """A step with drafts: each sampling item has num_draft + 1 logits rows. Items without
+        drafts (a prompt's last chunk, a decode without drafts) sample and fork as in a plain step;
+        items with drafts are verified. Tokens are committed a position at a time, so a stop or a
+        length limit ends an accepted run where plain decoding would."""
+        ends = list(itertools.accumulate(i.num_draft + 1 for i in items))
         plain = [n for n, i in enumerate(items) if not i.num_draft]
         spec = [i for i in items if i.num_draft]
-        spec_rows = torch.cat([torch.arange(e - i.num_draft - 1, e) for e, i in zip(ends.tolist(), items) if i.num_draft])
-        emitted, infos = self.speculator.verify(spec, logits[spec_rows.to(logits.device)])
+        spec_rows = [r for e, i in zip(ends, items) if i.num_draft for r in range(e - i.num_draft - 1, e)]
+        emitted, infos = self.speculator.verify(spec, logits[self.runner.to_device(spec_rows, torch.int64)])
         seqs, rows = self.scheduler.fork_samples([items[n].seq for n in plain])
-        lasts = (ends - 1)[torch.tensor([plain[r] for r in rows], dtype=torch.int64)] if rows else None
+        touched = []
         if rows:
-            tokens, info = self.runner.sample(logits[lasts.to(logits.device)], seqs, self.eos_ids)
-            info = tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
-            touched = self.committer.commit(seqs, tokens.tolist(), info)
-        else:
-            touched = []
+            lasts = [ends[plain[r]] - 1 for r in rows]
+            tokens, info = self.runner.sample(logits[self.runner.to_device(lasts, torch.int64)], seqs, self.eos_ids)
+            touched = self.committer.commit(seqs, tokens.tolist(), info_on_host(info))
         for j in range(max(map(len, emitted))):
             at = [r for r, e in enumerate(emitted) if len(e) > j and not spec[r].seq.is_finished]
             if not at:
@@ -226,3 +224,4 @@ class Engine:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
         return [RequestOutput.of(r) for r in touched if not finished_only or r.is_finished]
+

@@ -92,11 +92,18 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    acceptance_rate = property(lambda self: self.num_accepted_tokens / self.num_draft_tokens
-                               if self.num_draft_tokens else None)
-    # tokens a verify step emitted on average: accepted drafts plus the target's own token
-    mean_accepted_length = property(lambda self: 1 + self.num_accepted_tokens / self.num_drafts
-                                    if self.num_drafts else None)
+    acceptance_rate = property(lambda self: acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens))
+    mean_accepted_length = property(lambda self: mean_accepted_length(self.num_accepted_tokens, self.num_drafts))
+
+
+def acceptance_rate(accepted: int, proposed: int) -> float | None:
+    """Accepted draft tokens over proposed ones (None before any draft)."""
+    return accepted / proposed if proposed else None
+
+
+def mean_accepted_length(accepted: int, drafts: int) -> float | None:
+    """Tokens a verify step emitted on average: its accepted drafts plus the target's own token."""
+    return 1 + accepted / drafts if drafts else None
 
 
 @dataclass

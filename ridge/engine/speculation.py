@@ -46,8 +46,9 @@ import torch
 from ridge.config import EngineConfig, ModelConfig, SpeculativeConfig
 from ridge.engine.request import Sequence, SeqStatus
 from ridge.layers.cost import StepShape
-from ridge.layers.sampler import logprob_info
+from ridge.layers.sampler import info_on_host, logprob_info
 from ridge.layers.spec_sampling import target_probs, verify
+from ridge.runner.model_runner import plain_greedy
 from ridge.spec.ngram import NgramProposer
 from ridge.spec.proposer import Proposal, Proposer
 
@@ -151,6 +152,7 @@ class Speculator:
         self.clock = StepClock()
         self.proposal: Proposal | None = None
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
+        self.proposed: set[int] = set()         # sequences the proposer may keep state for
         # totals since start (vLLM: spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
@@ -177,12 +179,17 @@ class Speculator:
         return any(self._limit(s, len(seqs), decoding=False) for s in seqs)
 
     def plan(self, running: list[Sequence]) -> None:
-        """Before the schedule: ask the proposer for the drafts of this step's speculating sequences."""
+        """Before the schedule: ask the proposer for the drafts of this step's speculating sequences.
+        Drafts left from an earlier step (a sequence the token budget did not reach) are dropped:
+        they belong to an earlier proposal. Sequences no longer running leave the proposer's state."""
         live = {s.seq_id for s in running}
-        gone = {i for i in self.acceptance if i not in live}
+        gone = (self.proposed | set(self.acceptance)) - live
         for i in gone:
-            del self.acceptance[i]
+            self.acceptance.pop(i, None)
+        self.proposed -= gone
         self.proposer.release(gone)
+        for s in running:
+            s.draft_token_ids = []
         limits = [(s, self._limit(s, len(running))) for s in running]
         seqs, limits = [s for s, lim in limits if lim], [lim for _, lim in limits if lim]
         self.proposal, self.rows = None, {}
@@ -192,6 +199,7 @@ class Speculator:
         for row, (seq, tokens, lim) in enumerate(zip(seqs, self.proposal.tokens, limits)):
             seq.draft_token_ids = list(tokens[:lim])
             self.rows[seq.seq_id] = row
+            self.proposed.add(seq.seq_id)
 
     @torch.inference_mode()
     def verify(self, items: list, logits: torch.Tensor) -> tuple[list[list[int]], list[list[tuple | None]]]:
@@ -199,8 +207,7 @@ class Speculator:
         in order. Returns each item's emitted tokens and, per emitted token, its logprob info
         (the sampler's (chosen, rank, top values, top ids) for that row, or None)."""
         seqs = [i.seq for i in items]
-        if all(s.request.params.temperature == 0 and not s.request.params.uses_penalties
-               and s.request.params.logprobs is None for s in seqs):
+        if all(map(plain_greedy, seqs)):
             return self._verify_greedy(items, logits)
         n, k, vocab, dev = len(items), max(i.num_draft for i in items), logits.shape[-1], logits.device
         slots = [r * (k + 1) + j for r, i in enumerate(items) for j in range(i.num_draft + 1)]
@@ -217,8 +224,7 @@ class Speculator:
                                  torch.tensor([i.num_draft for i in items], device=dev))
         info = None
         if batch.max_logprobs >= 0:
-            info = tuple(t.cpu() if t is not None else None
-                         for t in logprob_info(full, tokens.clamp(min=0).view(-1), batch.max_logprobs))
+            info = info_on_host(logprob_info(full, tokens.clamp(min=0).view(-1), batch.max_logprobs))
         tokens, emitted = tokens.tolist(), emitted.tolist()
         out, infos = [], []
         for r, (item, e) in enumerate(zip(items, emitted)):

@@ -107,6 +107,11 @@ def logprob_info(raw: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple:
     return chosen, rank, top_v, top_i
 
 
+def info_on_host(info: tuple | None) -> tuple | None:
+    """logprob_info's tensors copied to the host (None stays None), for committing."""
+    return tuple(t.cpu() if t is not None else None for t in info) if info is not None else None
+
+
 def sampling_cost(step: StepShape, vocab: int) -> OpCost:
     """Reads the float32 logits once. Greedy: one comparison a logit; random: 10 FLOPs a logit
     (temperature, softmax's max/subtract/exp/sum/divide, -log of the noise, divide by it, argmax)."""

@@ -118,8 +118,8 @@ class DecodeGraphs:
     def run(self, step: DecodeInputs, previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
         """Fill the static inputs for n sequences and replay; returns logits [n * queries, vocab].
         With `previous` = (the last step's sampled ids on the device, each input's row in it), the
-        input ids are gathered on the device: the host has not seen them (step.input_ids:
-        placeholders; decode steps only)."""
+        input ids are gathered on the device: the host has not seen them, and step.input_ids holds
+        PENDING ids in their place. Only decode steps (queries = 1) are launched that way."""
         n, B, P, Q = len(step.seq_lens), self.max_bs, self.max_pages, self.queries
         T, nq = B * Q, len(step.seq_lens) * Q
         bs = self.bucket_for(n)

@@ -44,7 +44,9 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
     return page_table[position // page_size] * page_size + position % page_size
 
 
-def _plain_greedy(seq) -> bool:
+def plain_greedy(seq) -> bool:
+    """The sequence's next token is the raw argmax: greedy, no penalties, no logprobs, no banned
+    stop tokens (min_tokens reached)."""
     p = seq.request.params
     return p.temperature == 0 and p.logprobs is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens
 
@@ -269,7 +271,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
-        if all(_plain_greedy(s) for s in seqs):   # one argmax launch, no per-row parameters
+        if all(map(plain_greedy, seqs)):   # one argmax launch, no per-row parameters
             return logits.argmax(dim=-1), None
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
 
