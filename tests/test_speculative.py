@@ -82,6 +82,7 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
     outs = spec.generate(prompts, GREEDY, use_tqdm=False)
     assert tokens(outs) == want
     assert spec.engine.stats().num_preemptions > 0
+    assert spec.engine.stats().prompt_tokens < sum(map(len, prompts))      # the shared prefix was hit
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
     spec.engine.speculator.plan([])                 # nothing runs: every sequence's draft state goes
     if proposer == "draft":
