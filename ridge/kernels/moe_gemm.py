@@ -1,0 +1,270 @@
+"""The experts of a mixture-of-experts layer (Triton): for each token t and each of its top_k
+experts e (weight r), y_t = sum_e r * W2[e] (silu(W1[e] x_t) * W3[e] x_t). The reference is
+`fused_moe_ref` below: a loop over experts, as HF transformers runs them.
+
+Weights: w13 [E, 2I, H] (each expert's gate rows then its up rows, as the dense merged gate/up
+projection) and w2 [E, H, I], rows contiguous along K: the nn.Linear layout, read in coalesced
+row segments.
+
+Two paths, chosen by the number of tokens (`SMALL_MAX_TOKENS`):
+
+  * Small batches (decode): the work is a stream of the selected experts' weights, ~2 FLOPs per
+    weight element read, as in the dense GEMV (ridge/kernels/gemv.py, whose design this follows:
+    one launch per projection, no split-K, BLOCK_N small so that the grid fills the GPU, an fp32
+    [BLOCK_N, BLOCK_K] FMA accumulator reduced once after the K loop). Padding each expert's
+    rows to 16 for tl.dot, as a grouped GEMM must, would cost nothing in bandwidth, but a grid
+    sized for the worst case of T * top_k experts x 16-row tiles is mostly programs that exit,
+    and the layout needs an alignment pass first; vLLM's fused kernel loses to a dense GEMV of
+    the same bytes at small batch for these reasons. Here gate/up runs one program per (pair,
+    N tile) with SiLU-and-mul in its epilogue; down runs one program per (token, N tile) that
+    walks the token's top_k experts in order, applies the routing weights and sums them in
+    registers: the top-k sum is fused and its order fixed (batch-invariant). A token's experts
+    are distinct, so at batch 1 every selected expert's weights stream exactly once; at a few
+    tokens an expert two tokens share is read twice, the second time mostly from L2.
+  * Larger batches: a grouped GEMM over the pairs aligned by expert (ridge/kernels/moe_route.py):
+    each BLOCK_M-row tile belongs to one expert and takes its weight tiles once; tl.dot on tensor
+    cores; tiles in grouped raster order (ridge/kernels/tiles.py) so that neighbouring programs
+    share an expert's weight tiles in L2. Tiles past the last used one exit at once, so the
+    grid can be sized for the worst case and captured in a CUDA graph. gate/up computes the gate
+    and the up tile of the same columns in two accumulators and writes silu(gate) * up; down
+    multiplies each row by its routing weight and writes it to the pair's own row of a
+    [T * top_k, H] buffer, whose top-k sum is one more pass (`torch.sum` over k, a fixed order):
+    summing in the kernel would need atomics, whose order - and so the rounding - would change
+    with the batch.
+
+Rounding follows the reference's points in the activation dtype (the GEMM outputs, silu, the
+product, each expert's output, the routed product); accumulation is fp32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ridge.kernels.moe_route import align_by_expert
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
+from ridge.kernels.rounding import emulate_rne, round_to
+from ridge.kernels.tiles import grouped_tile
+
+SMALL_MAX_TOKENS = 16
+
+
+class SmallTiles(NamedTuple):
+    """The small-batch kernels' tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class GroupedTiles(NamedTuple):
+    """The grouped GEMM's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_SMALL = SmallTiles(16, 128, 4, 3)
+DEFAULT_GROUPED = GroupedTiles(64, 64, 64, 4, 3)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor) -> torch.Tensor:
+    """x [T, H], routing weights/experts [T, top_k] -> [T, H]: per expert, its rows' gated MLP
+    (outputs rounded to x's dtype as nn.Linear's are), times the routing weight, summed over a
+    token's experts in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in torch.unique(experts).tolist():
+        token, slot = torch.where(experts == e)
+        gate, up = F.linear(x[token], w13[e]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, (y * weights[token, slot, None].to(y.dtype)).float())
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _silu_mul(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """silu(g) * u at silu_and_mul's rounding points (ridge/kernels/silu_mul.py), from fp32 sums."""
+    g = round_to(g, DTYPE, EMULATE_RNE).to(tl.float32)
+    u = round_to(u, DTYPE, EMULATE_RNE).to(tl.float32)
+    act = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMULATE_RNE).to(tl.float32)
+    return round_to(act * u, DTYPE, EMULATE_RNE)
+
+
+@triton.jit
+def _dot(a, b, acc, EMULATE_RNE: tl.constexpr):
+    if EMULATE_RNE or a.dtype == tl.float32:
+        # fp32 models stay out of TF32 (as F.linear by default). CPU tensors, i.e. the interpreter:
+        # its 16-bit dot multiplies raw bit patterns as integers; 16-bit products are exact in
+        # fp32, so upcasting gives the same sums
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _small_gate_up_kernel(X, W, Experts, Out, inter, K, TOP_K: tl.constexpr, stride_xt, stride_we, stride_wn,
+                          stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                          PDL: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < inter
+    pdl_wait(PDL)       # the experts are the router's, x the norm's
+    e = tl.load(Experts + pair).to(tl.int64)
+    w_gate = W + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_up = w_gate + inter * stride_wn
+    x_row = X + (pair // TOP_K) * stride_xt + offs_k
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        m = n_mask[:, None] & k_mask[None, :]
+        acc_g += tl.load(w_gate + k, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+        acc_u += tl.load(w_up + k, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+    y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
+    tl.store(Out + pair * stride_ot + offs_n, y, mask=n_mask)
+
+
+@triton.jit
+def _small_down_kernel(Hid, W, Experts, RouteW, Out, N, K, TOP_K: tl.constexpr, stride_hp, stride_we, stride_wn,
+                       stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                       PDL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(Experts + t * TOP_K + j).to(tl.int64)
+        w_rows = W + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        h_row = Hid + (t * TOP_K + j) * stride_hp + offs_k
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k
+            h = tl.load(h_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_rows + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * h
+        y = round_to(tl.sum(acc, axis=1), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+        r = round_to(tl.load(RouteW + t * TOP_K + j), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+        total += round_to(y * r, Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+    tl.store(Out + t * stride_ot + offs_n, round_to(total, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
+
+
+@triton.jit
+def _grouped_kernel(X, W, Out, PairOrder, BlockExpert, RouteW, num_pairs, N, K, x_rows_per_pair, num_blocks,
+                    stride_xm, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                    EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pdl_wait(PDL)       # the layout is the alignment kernel's, x the previous layer's
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    if e >= 0:
+        pair = tl.load(PairOrder + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        valid = pair < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        x_ptrs = X + (pair // x_rows_per_pair)[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k
+            a = tl.load(x_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = _dot(a, w, acc, EMULATE_RNE)
+            if GATED:
+                w_up = tl.load(w_ptrs + N * stride_wn + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_u = _dot(a, w_up, acc_u, EMULATE_RNE)
+        if GATED:
+            y = _silu_mul(acc, acc_u, Out.dtype.element_ty, EMULATE_RNE)
+        elif WEIGHTED:
+            r = round_to(tl.load(RouteW + pair, mask=valid, other=0.0), Out.dtype.element_ty, EMULATE_RNE)
+            y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE).to(tl.float32) * r.to(tl.float32)[:, None]
+            y = round_to(y, Out.dtype.element_ty, EMULATE_RNE)
+        else:
+            y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE)
+        tl.store(Out + pair[:, None] * stride_om + offs_n[None, :], y, mask=valid[:, None] & n_mask[None, :])
+
+
+def _check(x, w13, w2, weights, experts):
+    E, two_i, H = w13.shape
+    if x.dim() != 2 or x.shape[1] != H or w2.shape != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
+                         f"(x [T, H], w13 [E, 2I, H], w2 [E, H, I])")
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: routing weights {tuple(weights.shape)} and experts {tuple(experts.shape)} "
+                         f"must both be [T={x.shape[0]}, top_k]")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"fused_moe: {name} must be contiguous along its last dim")
+
+
+def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, SmallTiles] = (DEFAULT_SMALL,) * 2):
+    """The small-batch path (module docstring); tiles: (gate/up's, down's)."""
+    _check(x, w13, w2, weights, experts)
+    (T, H), (E, two_i, _), top_k = x.shape, w13.shape, experts.shape[1]
+    inter = two_i // 2
+    hidden = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    pdl, rne = use_pdl(x), emulate_rne(x)
+    gu, dn = tiles
+    experts, weights = experts.contiguous(), weights.contiguous()
+    _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
+        x, w13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EMULATE_RNE=rne, PDL=pdl, num_warps=gu.num_warps,
+        num_stages=gu.num_stages, **launch_options(pdl))
+    _small_down_kernel[(T, triton.cdiv(H, dn.block_n))](
+        hidden, w2, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EMULATE_RNE=rne, PDL=pdl, num_warps=dn.num_warps,
+        num_stages=dn.num_stages, **launch_options(pdl))
+    return out
+
+
+def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: GroupedTiles, gated: bool = False,
+                 route_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of x (one per token: x_rows_per_pair = top_k; or one per pair: 1) times their pair's
+    expert's weight w [E, N(x2 if gated), K], aligned by `layout` (align_by_expert at tiles.block_m);
+    -> [num_pairs, N] in pair order: silu(gate) * up if gated; times route_weights if given."""
+    pair_order, block_expert, _ = layout
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    nb = block_expert.numel()
+    pdl = use_pdl(x)
+    grid = (nb * triton.cdiv(n, tiles.block_n),)
+    _grouped_kernel[grid](
+        x, w, out, pair_order, block_expert, route_weights if route_weights is not None else out, num_pairs, n,
+        w.shape[2], x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated,
+        WEIGHTED=route_weights is not None, EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **launch_options(pdl))
+    return out
+
+
+def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, GroupedTiles] = (DEFAULT_GROUPED,) * 2,
+                      layout=None):
+    """The grouped path (module docstring); tiles: (gate/up's, down's), which must share block_m.
+    layout: align_by_expert(experts, E, block_m) when the caller has it already."""
+    _check(x, w13, w2, weights, experts)
+    gu, dn = tiles
+    if gu.block_m != dn.block_m:
+        raise ValueError(f"fused_moe: gate/up and down tiles share the aligned layout, so block_m; got "
+                         f"{gu.block_m} and {dn.block_m}")
+    T, top_k = experts.shape
+    if layout is None:
+        layout = align_by_expert(experts.contiguous(), w13.shape[0], gu.block_m)
+    P = T * top_k
+    hidden = grouped_gemm(x, w13, layout, P, top_k, gu, gated=True)
+    y = grouped_gemm(hidden, w2, layout, P, 1, dn, route_weights=weights.contiguous().view(-1))
+    return y.view(T, top_k, -1).sum(dim=1)
+

@@ -1,0 +1,158 @@
+"""Routing for mixture-of-experts layers (Triton): choose each token's experts, then lay the
+(token, expert) pairs out by expert for the grouped GEMM. References: `route_topk_ref`,
+`align_by_expert_ref` below.
+
+route_topk: the router's logits [T, E] -> per token the top_k experts of softmax(logits) and their
+probabilities (renormalised to sum to 1 or not), in descending order as torch.topk gives them.
+One program per token holds its whole row of E logits (E <= a few hundred) in registers: softmax
+and k rounds of argmax-and-mask are a few hundred FLOPs, so what the kernel saves is launches -
+torch spends a softmax, a topk and a division (three kernels and two [T, E] round trips) on it.
+Ties go to the lower expert index, as torch.topk's do.
+
+align_by_expert: the T * top_k pairs (pair p = token p // top_k, its (p % top_k)-th choice),
+sorted by expert - stable, so a token's pairs keep token order inside an expert - and each
+expert's run padded to a multiple of the GEMM tile height BLOCK_M. Every tile of the grouped
+GEMM then belongs to one expert and reads that expert's weight tile once for all its rows
+(vLLM's moe_align_block_size is the model). Outputs, all of sizes fixed by (T, top_k, E,
+BLOCK_M), so a CUDA graph can hold the whole path:
+  * pair_order [max_blocks * BLOCK_M]: the pair in each row slot; padding slots hold T * top_k
+    (one past the last pair: the GEMM masks those rows),
+  * block_expert [max_blocks]: the expert of each tile, -1 past the last used tile,
+  * expert_counts [E]: pairs per expert (the roofline's tokens per expert).
+One program does it all: the counts, an exclusive scan over experts, then each pair's rank inside
+its expert (a one-hot [chunk, E] cumulative sum, which keeps the sort stable without a sort). The
+work is O(T * top_k * E) simple integer ops on registers - microseconds at decode and prefill
+sizes - and being one program it needs no atomics and no zeroed buffers, and its order is fixed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, experts [T, top_k] int32): softmax over experts in float32,
+    the top_k largest, divided by their sum when `renormalize` (HF's routers)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts.to(torch.int32)
+
+
+@triton.jit
+def _route_topk_kernel(Logits, Weights, Experts, E, stride_t, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    js = tl.arange(0, BLOCK_K)
+    pdl_wait(PDL)       # the logits are the router GEMM's output
+    logits = tl.load(Logits + t * stride_t + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(offs < E, p, -1.0)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    experts = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(left, axis=0, tie_break_left=True)
+        weights = tl.where(js == j, tl.sum(tl.where(offs == best, left, 0.0), axis=0), weights)
+        experts = tl.where(js == j, best.to(tl.int32), experts)
+        left = tl.where(offs == best, -1.0, left)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(Weights + t * TOP_K + js, weights, mask=js < TOP_K)
+    tl.store(Experts + t * TOP_K + js, experts, mask=js < TOP_K)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_topk_ref's result, in one launch."""
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route_topk: top_k must be in [1, {E}], got {top_k}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        pdl = use_pdl(logits)
+        block_e = max(16, triton.next_power_of_2(E))
+        _route_topk_kernel[(T,)](logits, weights, experts, E, logits.stride(0), TOP_K=top_k,
+                                 BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, RENORMALIZE=renormalize,
+                                 PDL=pdl, num_warps=1 if block_e <= 256 else 4, **launch_options(pdl))
+    return weights, experts
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles the aligned layout can need: each expert with pairs wastes at most block_m - 1 slots."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
+def align_by_expert_ref(experts: torch.Tensor, num_experts: int, block_m: int):
+    """(pair_order, block_expert, expert_counts) as the module docstring defines them."""
+    flat = experts.reshape(-1).long()
+    P = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    nb = max_blocks(P, num_experts, block_m)
+    pair_order = torch.full((nb * block_m,), P, dtype=torch.int32, device=experts.device)
+    order = torch.sort(flat, stable=True).indices
+    first = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    slots = starts[sorted_e] + torch.arange(P, device=flat.device) - first[sorted_e]
+    pair_order[slots] = order.to(torch.int32)
+    block_expert = torch.full((nb,), -1, dtype=torch.int32, device=experts.device)
+    for e in range(num_experts):
+        b0, nbe = int(starts[e]) // block_m, int(padded[e]) // block_m
+        block_expert[b0:b0 + nbe] = e
+    return pair_order, block_expert, counts.to(torch.int32)
+
+
+@triton.jit
+def _align_kernel(Experts, PairOrder, BlockExpert, Counts, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    e_offs = tl.arange(0, BLOCK_E)
+    c_offs = tl.arange(0, CHUNK)
+    pdl_wait(PDL)       # the experts are route_topk's output
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        ids = tl.load(Experts + c + c_offs, mask=c + c_offs < P, other=-1)
+        counts += tl.sum((ids[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(Counts + e_offs, counts, mask=e_offs < E)
+    # padding slots first; the barrier orders them before the pairs' stores over the same slots
+    for s in range(0, NUM_BLOCKS * BLOCK_M, CHUNK):
+        tl.store(PairOrder + s + c_offs, P, mask=s + c_offs < NUM_BLOCKS * BLOCK_M)
+    for b in range(0, NUM_BLOCKS, CHUNK):
+        first_slot = (b + c_offs) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_slot[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b + c_offs, tl.where(owner < E, owner, -1), mask=b + c_offs < NUM_BLOCKS)
+    tl.debug_barrier()
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        ids = tl.load(Experts + c + c_offs, mask=c + c_offs < P, other=-1)
+        onehot = (ids[:, None] == e_offs[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - 1 + (starts + seen)[None, :]
+        slot = tl.sum(onehot * rank, axis=1)
+        tl.store(PairOrder + slot, (c + c_offs).to(tl.int32), mask=c + c_offs < P)
+        seen += tl.sum(onehot, axis=0)
+
+
+def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int):
+    """align_by_expert_ref's (pair_order, block_expert, expert_counts), in one launch."""
+    P = experts.numel()
+    nb = max_blocks(P, num_experts, block_m)
+    dev = experts.device
+    pair_order = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    pdl = use_pdl(experts)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // block_e))
+    _align_kernel[(1,)](experts.reshape(-1), pair_order, block_expert, counts, P, num_experts, nb, BLOCK_M=block_m,
+                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl, num_warps=4 if block_e * chunk <= 4096 else 8,
+                        **launch_options(pdl))
+    return pair_order, block_expert, counts
