@@ -24,6 +24,11 @@ ARCH_OVERRIDES = {
     "qwen3": {"tie_word_embeddings": True},
     "llama-mqa": {"num_key_value_heads": 1},
     "mistral-sw": {"sliding_window": 8},          # a window shorter than the prompts
+    "mixtral": {},
+    "qwen2moe": {},                               # a shared expert; top-k weights not renormalised
+    "qwen2moe-step2": {"decoder_sparse_step": 2},  # layer 0 dense, layer 1 sparse
+    "qwen3moe": {"norm_topk_prob": True, "num_experts": 16, "num_experts_per_tok": 4},
+    "qwen3moe-dense0": {"mlp_only_layers": [0]},
 }
 
 

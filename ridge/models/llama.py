@@ -1,8 +1,10 @@
-"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), in
-one file: the differences are flags on ModelConfig, not copies of the model. Module and parameter
-names follow the HF checkpoints except the merged projections (`qkv_proj`, `gate_up_proj`):
-`checkpoint_name_map` tells the loader which parameter and shard a checkpoint tensor goes to; the
-parameter's own weight_loader puts it in place. `cfg.quant` (INT4 weights) goes to the projections;
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), and
+their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (`cfg.moe`: the sparse layers' MLP is
+ridge/models/moe.py's block), in one file: the differences are flags on ModelConfig, not copies of
+the model. Module and parameter names follow the HF checkpoints except the merged projections
+(`qkv_proj`, `gate_up_proj`, and each layer's experts as two tensors): `checkpoint_slot` tells the
+loader which parameter and shard a checkpoint tensor goes to; the parameter's own weight_loader
+puts it in place. `cfg.quant` (INT4 weights) goes to the projections;
 the embeddings and the LM head stay in the activation dtype.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
@@ -16,18 +18,22 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.layers.activation import SiluAndMul
 from ridge.layers.attention import Attention, AttentionBackend
 from ridge.layers.cost import OpCost, StepShape, child, gemm_cost, precision_of
 from ridge.layers.linear import Linear
+from ridge.layers.mlp import GatedMLP
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.sampler import sampling_cost
 from ridge.layers.weights import set_weight_loader
+from ridge.models.moe import SparseMoeBlock
 
 # checkpoint projection name -> (ridge merged module, shard)
 CHECKPOINT_NAME_MAP = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+# an expert's projection (HF's names and Mixtral's) -> (the experts' merged parameter, part)
+EXPERT_NAME_MAP = {"gate_proj": ("w13_weight", "gate"), "up_proj": ("w13_weight", "up"), "down_proj": ("w2_weight", ""),
+                   "w1": ("w13_weight", "gate"), "w3": ("w13_weight", "up"), "w2": ("w2_weight", "")}
 
 
 class LlamaAttention(nn.Module):
@@ -59,28 +65,12 @@ class LlamaAttention(nn.Module):
         return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step, name="o_proj"))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                   bias=cfg.mlp_bias, quant=cfg.quant)
-        # the activation is down_proj's input: fused into its K loop on the one-row GEMV path (linear.py)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, input_act=SiluAndMul(),
-                                quant=cfg.quant)
-
-    def forward(self, x):
-        return self.down_proj(self.gate_up_proj(x))
-
-    def cost(self, step: StepShape) -> list[OpCost]:
-        return (child("gate_up_proj", self.gate_up_proj.cost(step, name="gate_up_proj"))
-                + child("down_proj", self.down_proj.cost(step, name="down_proj")))
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -104,7 +94,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         set_weight_loader(self.embed_tokens.weight.requires_grad_(False))
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -125,6 +115,32 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     checkpoint_name_map = CHECKPOINT_NAME_MAP
+
+    @staticmethod
+    def checkpoint_slot(name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's (ridge parameter name, shard id or None)."""
+        parts = ["mlp" if p == "block_sparse_moe" else p for p in name.split(".")]
+        if "experts" in parts:
+            i = parts.index("experts")
+            if len(parts) == i + 4 and parts[i + 1].isdigit() and parts[i + 2] in EXPERT_NAME_MAP:
+                param, part = EXPERT_NAME_MAP[parts[i + 2]]
+                return ".".join(parts[:i + 1] + [param]), f"{parts[i + 1]}.{part}" if part else parts[i + 1]
+        for i, part in enumerate(parts):
+            if part in CHECKPOINT_NAME_MAP:
+                merged, shard = CHECKPOINT_NAME_MAP[part]
+                return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
+        return ".".join(parts), None
+
+    @staticmethod
+    def checkpoint_name(param: str, shard: str | None) -> str:
+        """The HF checkpoint name of a parameter's shard (for messages about missing tensors)."""
+        if shard is None:
+            return param
+        parent, merged, leaf = param.rsplit(".", 2)
+        if leaf in ("w13_weight", "w2_weight"):
+            expert, _, part = shard.partition(".")
+            return f"{parent}.{merged}.{expert}.{part + '_proj' if part else 'down_proj'}.weight"
+        return f"{parent}.{next(k for k, v in CHECKPOINT_NAME_MAP.items() if v == (merged, shard))}.{leaf}"
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
         super().__init__()

@@ -59,19 +59,7 @@ def checkpoint_files(path: str) -> list[str]:
 
 def _param_slot(model: torch.nn.Module, name: str):
     """Map a checkpoint tensor name to (ridge parameter name, shard id or None)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in model.checkpoint_name_map:
-            merged, shard = model.checkpoint_name_map[part]
-            return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
-    return name, None
-
-
-def _checkpoint_name(model, pname: str, shard: str | None) -> str:
-    if shard is None:
-        return pname
-    parent, merged, leaf = pname.rsplit(".", 2)
-    return f"{parent}.{next(k for k, v in model.checkpoint_name_map.items() if v == (merged, shard))}.{leaf}"
+    return model.checkpoint_slot(name)
 
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -87,6 +75,10 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     # an FP8 checkpoint loads dequantized; with quantization 'fp8' it is quantized again at load, which
     # gives back its own e4m3 values where its blocks are 128 x 128 (each block's maximum is 448 x scale)
     quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
+    if cfg.moe is not None and quant is not None:
+        raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} is not "
+                         f"supported for mixture-of-experts models ({cfg.architecture}): ridge's expert kernels run "
+                         f"float weights")
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
@@ -166,7 +158,7 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
             raise ValueError(f"model: {e}") from None
     missing = sorted(expected - loaded, key=str)
     if missing:
-        names = [_checkpoint_name(model, p, s) for p, s in missing]
+        names = [model.checkpoint_name(p, s) for p, s in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"model: checkpoint {path!r} is missing tensors: {shown}")
     for name, module in model.named_modules():

@@ -26,6 +26,14 @@ PRESETS = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
                        rope_theta=1000000.0, tie_word_embeddings=True),
+    # mixture-of-experts benchmark shapes (with --arch qwen3moe / mixtral)
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                          rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True),
+    "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+                         num_local_experts=8, num_experts_per_tok=2),
 }
 
 ARCHS = {
@@ -33,6 +41,15 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+# experts of the small presets, per MoE architecture (a preset's own values win)
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96),
+    "qwen3moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
 }
 
 CHAT_TEMPLATE = (
@@ -70,9 +87,9 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
     import transformers
 
     cfg_name, model_name = ARCHS[arch]
-    kwargs = dict(PRESETS[preset])
+    kwargs = {**MOE_DEFAULTS.get(arch, {}), **PRESETS[preset]}
     kwargs.update(bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)
@@ -91,7 +108,7 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
             model = getattr(transformers, model_name)(config)
     finally:
         torch.set_default_dtype(default)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         # transformers initialises biases to zero; random ones make the bias path matter in tests
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import statistics
-
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +27,7 @@ from ridge.kernels.fp8_gemm import cublas_fp8_gemm, fp8_gemm, quantize_act_fp8
 from ridge.kernels.gemv import gemv
 from ridge.layers.linear import uses_gemv
 from ridge.utils.device_cache import cache_root, cached, device_key
+from ridge.utils.graph_timing import graph_time_us
 
 BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_gemm.py found fastest somewhere
@@ -62,33 +61,6 @@ def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv(x, w) if uses_gemv(x, w) else F.linear(x, w)
 
 
-def _time_us(fn, reps: int = 7, calls: int = 10) -> float:
-    """Median over reps of the time per call of `calls` calls replayed from one CUDA graph, after
-    warm-up: decode steps replay their GEMMs from graphs, so a path's host launch cost (two launches
-    and TMA descriptors for the FP8 paths, one for bf16) must not decide a small batch's choice.
-    A path that cannot be captured is timed eagerly."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        run = graph.replay
-    except RuntimeError:
-        graph, run = None, lambda: [fn() for _ in range(calls)]     # noqa: E731
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict:
     """{bucket: {"choice": path, "us": {path: microseconds}}} for one weight (bf16 w and its FP8 form)."""
     n, k = w.shape
@@ -102,7 +74,7 @@ def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict:
         for p in paths:
             fn = (lambda: bf16_matmul(x, w)) if p == "bf16" else (lambda p=p: fp8_matmul(p, x, wq, ws))
             try:
-                us[p] = _time_us(fn)
+                us[p] = graph_time_us(fn)
             except Exception as e:  # noqa: BLE001  a path this torch / GPU lacks, or a config out of resources
                 errors[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}

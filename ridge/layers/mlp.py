@@ -1,0 +1,26 @@
+"""The gated MLP of the Llama family, down(silu(gate(x)) * up(x)): the dense decoder MLP, and
+Qwen2-MoE's shared expert. gate and up are one merged projection (one GEMM reads x once); the
+activation belongs to the down projection, whose one-row GEMV computes it inside its K loop
+(ridge/layers/linear.py)."""
+from __future__ import annotations
+
+from torch import nn
+
+from ridge.layers.activation import SiluAndMul
+from ridge.layers.cost import OpCost, StepShape, child
+from ridge.layers.linear import Linear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, quant=None):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
+                                   bias=bias, quant=quant)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, input_act=SiluAndMul(), quant=quant)
+
+    def forward(self, x):
+        return self.down_proj(self.gate_up_proj(x))
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        return (child("gate_up_proj", self.gate_up_proj.cost(step, name="gate_up_proj"))
+                + child("down_proj", self.down_proj.cost(step, name="down_proj")))

@@ -1,0 +1,107 @@
+"""The experts of a mixture-of-experts block, with their routing: `FusedMoE(logits, x)`.
+
+All experts of a layer are two parameters, `w13_weight` [E, 2I, H] (each expert's gate rows, then
+its up rows: the dense merged gate/up projection, per expert) and `w2_weight` [E, H, I], so one
+kernel launch serves every expert and indexes the weights by expert id (ridge/kernels/moe_gemm.py).
+Checkpoints store one matrix per expert and projection; each is one shard of the merged
+parameter (`"<expert>.gate"`, `"<expert>.up"`, `"<expert>"` for down), placed by the parameter's
+weight_loader like any merged projection's.
+
+On CUDA the step's routing runs in one kernel (softmax + top-k), then the path and tiles measured
+fastest for this many tokens (ridge/layers/moe_tuning.py): the small-batch expert GEMVs or the
+grouped GEMM over the pairs aligned by expert. Every kernel has fixed-size outputs for a given
+token count, so a decode step's CUDA graph holds the whole path, expert choice included. On a CPU
+the torch references run.
+
+Cost: the experts' weights are read once a step per *distinct* expert the step selects, and
+their FLOPs are those of the routed (token, expert) pairs. The layer keeps the last step's
+expert choice (`routed`, the kernels' own output tensor: no copy, no sync) so that a cost stated
+after a measured step counts the experts actually touched and can report the load per expert;
+without one it assumes uniform routing.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
+from ridge.kernels.moe_route import align_by_expert, route_topk, route_topk_ref
+from ridge.layers.cost import OpCost, StepShape
+from ridge.layers.weights import default_weight_loader, set_weight_loader
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, expert_size: int, renormalize: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.expert_size = hidden_size, expert_size
+        experts = range(num_experts)
+        self.w13_weight = set_weight_loader(
+            nn.Parameter(torch.empty(num_experts, 2 * expert_size, hidden_size), requires_grad=False),
+            self.weight_loader, [f"{e}.{part}" for e in experts for part in ("gate", "up")])
+        self.w2_weight = set_weight_loader(
+            nn.Parameter(torch.empty(num_experts, hidden_size, expert_size), requires_grad=False),
+            self.weight_loader, [str(e) for e in experts])
+        self.plan = None            # MoePlan on CUDA, measured at load
+        self.routed: torch.Tensor | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """One expert's gate, up or down matrix into its rows of the merged parameter."""
+        if shard_id not in param.shard_ids:
+            raise ValueError(f"is shard {shard_id!r} of an expert parameter with shards "
+                             f"0..{self.num_experts - 1} (gate/up or down)")
+        expert, _, part = shard_id.partition(".")
+        dst = param.data[int(expert)]
+        if part:
+            dst = dst.narrow(0, 0 if part == "gate" else self.expert_size, self.expert_size)
+        default_weight_loader(dst, loaded)
+
+    def finish_loading(self) -> None:
+        if self.w13_weight.is_cuda:
+            from ridge.layers.moe_tuning import moe_plan
+            self.plan = moe_plan(self.w13_weight.data, self.w2_weight.data, self.top_k)
+
+    def initialize_dummy(self, generator: torch.Generator, std: float) -> None:
+        for w in (self.w13_weight, self.w2_weight):
+            w.normal_(0.0, std, generator=generator)
+        self.finish_loading()
+
+    def forward(self, router_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """router_logits [T, E], x [T, H] -> sum over each token's top_k experts of weight * expert(x)."""
+        w13, w2 = self.w13_weight, self.w2_weight
+        if not x.is_cuda:
+            weights, experts = route_topk_ref(router_logits, self.top_k, self.renormalize)
+            self.routed = experts
+            return fused_moe_ref(x, w13, w2, weights, experts)
+        weights, experts = route_topk(router_logits, self.top_k, self.renormalize)
+        self.routed = experts
+        path, tiles = self.plan.choice(x.shape[0])
+        if path == "small":
+            return fused_moe_small(x, w13, w2, weights, experts, tiles)
+        return fused_moe_grouped(x, w13, w2, weights, experts, tiles,
+                                 layout=align_by_expert(experts, self.num_experts, tiles[0].block_m))
+
+    def tokens_per_expert(self, num_tokens: int) -> list[int] | None:
+        """The last step's pairs per expert, if its expert choice is kept and was for num_tokens."""
+        r = self.routed
+        if r is None or r.shape[0] != num_tokens:
+            return None
+        return torch.bincount(r.reshape(-1).long().cpu(), minlength=self.num_experts).tolist()
+
+    def cost(self, step: StepShape) -> list[OpCost]:
+        """Routing (softmax + top-k over [T, E] logits), gate/up with SiLU-and-mul, down with the
+        routing weight and the top-k sum; weights of the distinct experts the step selects (the
+        last step's choice when it had this many tokens, else the uniform-routing expectation)."""
+        T, E, k, H, inter = step.num_tokens, self.num_experts, self.top_k, self.hidden_size, self.expert_size
+        a, w = step.act.bytes, self.w13_weight.element_size()
+        counts = self.tokens_per_expert(T)
+        distinct = sum(1 for c in counts if c) if counts is not None else E * (1 - (1 - k / E) ** T)
+        pairs = T * k
+        route = OpCost("moe_route", "elementwise", 6 * T * E, T * E * 4 + pairs * 8, compute=step.act.compute)
+        gu_params = distinct * 2 * inter * H * w
+        gate_up = OpCost("moe_gate_up", "gemm", 2 * pairs * 2 * inter * H + 5 * pairs * inter,
+                         gu_params + T * H * a + pairs * inter * a, gu_params, compute=step.act.compute)
+        dn_params = distinct * H * inter * w
+        down = OpCost("moe_down", "gemm", 2 * pairs * H * inter + 2 * pairs * H,
+                      dn_params + pairs * inter * a + T * H * a, dn_params, compute=step.act.compute)
+        return [route, gate_up, down]

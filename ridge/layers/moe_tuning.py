@@ -1,0 +1,100 @@
+"""Which MoE kernel path and tiles serve a batch: measured once per GPU, then looked up.
+
+The expert kernels (ridge/kernels/moe_gemm.py) have two paths, and each has tile sizes whose best
+values depend on the GPU, the expert shape (E, H, I, top_k) and the number of tokens: at a few
+tokens the small-batch GEMVs stream weights and want many small programs; at thousands the
+grouped GEMM is compute-bound and wants large tensor-core tiles; in between the aligned layout's
+padding and the tile height trade against each other. So for each expert shape the engine
+loading it times, at one representative token count per bucket (BUCKETS), every candidate on
+the same random operands (routing drawn uniformly, as a trained router spreads load on average),
+replayed from a CUDA graph as decode steps are: the small path's gate/up and down tiles
+separately, and the grouped path's per tile height (alignment included), and keeps the fastest
+path and tiles per bucket. A step of T tokens takes the choice of the first bucket >= T. Cached
+per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 dispatch.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+
+import torch
+
+from ridge.kernels.moe_gemm import SMALL_MAX_TOKENS, GroupedTiles, SmallTiles, fused_moe_small, grouped_gemm
+from ridge.kernels.moe_route import align_by_expert
+from ridge.utils.device_cache import cache_root, cached, device_key
+from ridge.utils.graph_timing import graph_time_us
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 1), (16, 128, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1),
+                                             (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (8, 512, 4, 1))]
+GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
+    (16, 64, 64, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3),
+    (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4))]
+VERSION = 1
+
+
+class MoePlan:
+    """Per bucket: ("small", (gate/up tiles, down tiles)) or ("grouped", (gate/up tiles, down tiles))."""
+
+    def __init__(self, table: dict[int, tuple[str, tuple]]):
+        self.table = table
+
+    def choice(self, tokens: int) -> tuple[str, tuple]:
+        i = min(bisect.bisect_left(BUCKETS, tokens), len(BUCKETS) - 1)
+        return self.table[BUCKETS[i]]
+
+
+def _tiles(kind: str, raw) -> tuple:
+    cls = SmallTiles if kind == "small" else GroupedTiles
+    return tuple(cls(*t) for t in raw)
+
+
+def _us(fn) -> float:
+    try:
+        return graph_time_us(fn)
+    except Exception:  # noqa: BLE001  a tile this GPU cannot fit (shared memory, registers)
+        return float("inf")
+
+
+def _best(timings: dict) -> tuple:
+    return min(timings, key=timings.get)
+
+
+def measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> dict:
+    """{bucket: {"path", "tiles", "us": {...}}} for one expert shape on its GPU (module docstring)."""
+    E, two_i, H = w13.shape
+    gen = torch.Generator(device=w13.device).manual_seed(E * 31 + H)
+    table = {}
+    for T in BUCKETS:
+        x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
+        experts = torch.rand(T, E, generator=gen, device=w13.device).topk(top_k, dim=-1).indices.to(torch.int32)
+        weights = torch.rand(T, top_k, generator=gen, device=w13.device)
+        hidden = torch.randn(T * top_k, two_i // 2, generator=gen, device=w13.device).to(w13.dtype)
+        timings: dict[str, dict] = {}
+        if T <= SMALL_MAX_TOKENS:
+            gu = {c: _us(lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (c, SMALL_CANDIDATES[0])))
+                  for c in SMALL_CANDIDATES}
+            best_gu = _best(gu)
+            dn = {c: _us(lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c)))
+                  for c in SMALL_CANDIDATES}
+            timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
+        for bm in sorted({c.block_m for c in GROUPED_CANDIDATES}):
+            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm]
+            layout = align_by_expert(experts, E, bm)
+            align_us = _us(lambda: align_by_expert(experts, E, bm))
+            gu = {c: _us(lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)) for c in cands}
+            dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights.view(-1)))
+                  for c in cands}
+            timings[f"grouped{bm}"] = dict(tiles=(_best(gu), _best(dn)), us=align_us + min(gu.values()) + min(dn.values()))
+        best = min(timings, key=lambda k: timings[k]["us"])
+        table[str(T)] = {"path": "small" if best == "small" else "grouped", "tiles": [list(t) for t in timings[best]["tiles"]],
+                         "us": {k: v["us"] for k, v in timings.items()}}
+    return table
+
+
+def moe_plan(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
+    """The plan for this expert shape on its GPU, from the per-device cache or measured now."""
+    E, two_i, H = w13.shape
+    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{str(w13.dtype).removeprefix('torch.')}.json"
+    table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
+    return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()})

@@ -1,0 +1,34 @@
+"""Timing a GPU function the way a decode step runs it: replayed from a CUDA graph (the FP8 GEMM
+dispatch and the MoE kernel plans use it to choose between paths)."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def graph_time_us(fn, reps: int = 7, calls: int = 10) -> float:
+    """Median over reps of the time per call of `calls` calls replayed from one CUDA graph, after
+    warm-up: decode steps replay their GEMMs from graphs, so a path's host launch cost (two launches
+    and TMA descriptors for the FP8 paths, one for bf16) must not decide a small batch's choice.
+    A path that cannot be captured is timed eagerly."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run = graph.replay
+    except RuntimeError:
+        graph, run = None, lambda: [fn() for _ in range(calls)]     # noqa: E731
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
