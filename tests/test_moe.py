@@ -1,0 +1,185 @@
+"""Mixture of experts: the routing and expert kernels against their torch references in Triton's
+interpreter at ragged expert loads; the engine with MoE models (batch invariance, preemption and
+chunked prefill, sampling); checkpoint loading errors; the layer's cost.
+(HF-exactness of Mixtral, Qwen2-MoE and Qwen3-MoE: tests/test_hf_parity.py.)"""
+import json
+import shutil
+
+import pytest
+import torch
+import triton
+
+from ridge import LLM, SamplingParams
+from ridge.kernels.moe_gemm import GroupedTiles, SmallTiles, fused_moe_grouped, fused_moe_ref, fused_moe_small
+from ridge.kernels.moe_route import align_by_expert, align_by_expert_ref, max_blocks, route_topk, route_topk_ref
+from ridge.layers.cost import StepShape
+from ridge.layers.moe import FusedMoE
+from conftest import prompt_of
+from test_batching import assert_pool_free
+
+interpret = pytest.mark.skipif(not triton.knobs.runtime.interpret, reason="Triton kernels on a CPU need TRITON_INTERPRET=1")
+
+
+def _loads(T, E, k, kind, gen):
+    """Expert choices [T, k] (distinct per token) with a given load pattern."""
+    if kind == "uniform":
+        return torch.rand(T, E, generator=gen).topk(k, dim=-1).indices.int()
+    if kind == "hot":          # expert 1 in every token (it takes all T), the rest spread over E // 2
+        rest = torch.rand(T, E // 2, generator=gen)
+        rest[:, 1] = -1.0
+        return torch.cat([torch.ones(T, 1, dtype=torch.int64), rest.topk(k - 1, dim=-1).indices], 1).int()
+    if kind == "one":          # the same k experts for every token: all other experts get 0 rows
+        return torch.arange(k).repeat(T, 1).int() + 2
+    raise ValueError(kind)
+
+
+@interpret
+@pytest.mark.parametrize("T,E,k,renorm", [(1, 8, 2, True), (7, 128, 8, False), (33, 60, 6, True), (4, 16, 1, False)])
+def test_route_topk_matches_reference(T, E, k, renorm):
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T))
+    w, e = route_topk(logits, k, renorm)
+    wr, er = route_topk_ref(logits, k, renorm)
+    assert torch.equal(e, er)
+    torch.testing.assert_close(w, wr, atol=1e-6, rtol=1e-6)
+    if renorm:
+        torch.testing.assert_close(w.sum(-1), torch.ones(T))
+
+
+@interpret
+@pytest.mark.parametrize("kind", ["uniform", "hot", "one"])
+@pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (24, 8, 2, 16), (40, 16, 4, 32), (130, 64, 8, 16)])
+def test_align_by_expert_matches_reference(T, E, k, bm, kind):
+    experts = _loads(T, E, k, kind, torch.Generator().manual_seed(T + E))
+    got, ref = align_by_expert(experts, E, bm), align_by_expert_ref(experts, E, bm)
+    for g, r, name in zip(got, ref, ("pair_order", "block_expert", "expert_counts")):
+        assert torch.equal(g, r), name
+    order, blocks, counts = got
+    P = T * k
+    assert order.numel() == max_blocks(P, E, bm) * bm
+    assert sorted(order[order < P].tolist()) == list(range(P))         # every pair once
+    for b, e in enumerate(blocks.tolist()):                              # each tile holds one expert's pairs
+        rows = order[b * bm:(b + 1) * bm]
+        rows = rows[rows < P].long()
+        assert e >= 0 or rows.numel() == 0
+        assert (experts.reshape(-1)[rows] == e).all()
+    assert counts.tolist() == torch.bincount(experts.reshape(-1).long(), minlength=E).tolist()
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["uniform", "hot", "one"])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (5, 16, 4), (40, 8, 2)])
+def test_expert_kernels_match_reference(T, E, k, kind, dtype):
+    g = torch.Generator().manual_seed(7 * T + E)
+    H, inter = 64, 48
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.2).to(dtype)
+    experts = _loads(T, E, k, kind, g)
+    weights = torch.rand(T, k, generator=g)
+    ref = fused_moe_ref(x, w13, w2, weights, experts).float()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 32, 4, 1),) * 2)
+    torch.testing.assert_close(small.float(), ref, **tol)
+    for bm in (16, 32):
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 16, 32, 4, 1),) * 2)
+        torch.testing.assert_close(grouped.float(), ref, **tol)
+
+
+def test_expert_kernels_refuse_mismatched_shapes():
+    x, w13, w2 = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 5)
+    e, w = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe_small(x, w13, w2, w, e)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_moe_grouped(x, w13, torch.randn(4, 8, 6), w, e, (GroupedTiles(16, 16, 32, 4, 1), GroupedTiles(32, 16, 32, 4, 1)))
+
+
+def _moe_llm(checkpoints, name="qwen3moe", **kw):
+    return LLM(checkpoints(name), device="cpu", show_progress=False, max_model_len=512, **kw)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+def test_batch_invariance_with_moe(checkpoints, name):
+    llm = _moe_llm(checkpoints, name)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    target = prompt_of(13, salt=99)
+    alone = llm.generate([target], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    others = [prompt_of(n, salt=i) for i, n in enumerate([5, 60, 1, 33, 8, 100, 2, 17, 45])]
+    outs = llm.generate(others[:4] + [target] + others[4:], greedy, use_tqdm=False)
+    assert outs[4].outputs[0].token_ids == alone
+    assert_pool_free(llm)
+
+
+def test_preemption_chunking_and_sampling_with_moe(checkpoints):
+    prompts = [prompt_of(30 + (i * 37) % 70, salt=i) for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=20 + i % 5, ignore_eos=True) for i in range(12)]
+    ample = _moe_llm(checkpoints)
+    want = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    page_bytes = ample.engine.runner.kv_bytes_per_page()
+    tight = _moe_llm(checkpoints, kv_cache_memory=20 * page_bytes, max_num_batched_tokens=32)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert_pool_free(tight)
+    # seeded sampling with penalties, top-k/p, logprobs and n: reproducible, pages returned
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, repetition_penalty=1.2, seed=5, max_tokens=12,
+                        logprobs=2, n=2)
+    a, b = (ample.generate([prompts[0]], sp, use_tqdm=False)[0] for _ in range(2))
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert all(len(c.logprobs) == 12 for c in a.outputs)
+    assert_pool_free(ample)
+
+
+def test_moe_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoints("qwen3moe")
+    bad = tmp_path / "missing"
+    shutil.copytree(src, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        LLM(str(bad), device="cpu", show_progress=False)
+    tensors = load_file(str(src) + "/model.safetensors")
+    tensors["model.layers.0.mlp.experts.2.down_proj.weight"] = tensors["model.layers.0.mlp.experts.2.down_proj.weight"][:-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.2\.down_proj\.weight.*shape"):
+        LLM(str(bad), device="cpu", show_progress=False)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_experts_per_tok"] = (cfg.get("num_experts") or cfg["num_local_experts"]) + 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        LLM(str(bad), device="cpu", show_progress=False)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(src, device="cpu", show_progress=False, quantization="int4")
+
+
+def test_dummy_moe_model_runs(checkpoints):
+    llm = _moe_llm(checkpoints, "mixtral", load_format="dummy")
+    out = llm.generate([prompt_of(9)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    w = llm.engine.runner.model.model.layers[0].mlp.experts.w13_weight
+    assert w.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_moe_cost_counts_the_experts_selected():
+    moe = FusedMoE(num_experts=8, top_k=2, hidden_size=16, expert_size=8, renormalize=True)
+    expert_bytes = 3 * 16 * 8 * moe.w13_weight.element_size()
+    one = StepShape((1,), (1,))
+    # no step yet: the uniform-routing expectation (1 token: exactly top_k experts)
+    assert sum(c.param_bytes for c in moe.cost(one)) == pytest.approx(2 * expert_bytes)
+    for p in moe.parameters():
+        p.data.normal_()
+    logits = torch.full((6, 8), -10.0)
+    logits[:, 3], logits[:, 5] = 5.0, 4.0                 # every token picks experts 3 and 5
+    moe(logits, torch.randn(6, 16))
+    assert moe.tokens_per_expert(6) == [0, 0, 0, 6, 0, 6, 0, 0]
+    six = StepShape((6,), (6,))
+    costs = {c.name: c for c in moe.cost(six)}
+    assert costs["moe_gate_up"].param_bytes + costs["moe_down"].param_bytes == 2 * expert_bytes
+    assert costs["moe_gate_up"].flops == 2 * 12 * 16 * 16 + 5 * 12 * 8       # 12 routed pairs
+    # another token count: the expectation again, between top_k and all experts
+    seven = sum(c.param_bytes for c in moe.cost(StepShape((7,), (7,))))
+    assert 2 * expert_bytes < seven < 8 * expert_bytes
