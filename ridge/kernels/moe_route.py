@@ -19,10 +19,11 @@ BLOCK_M), so a CUDA graph can hold the whole path:
     (one past the last pair: the GEMM masks those rows),
   * block_expert [max_blocks]: the expert of each tile, -1 past the last used tile,
   * expert_counts [E]: pairs per expert (the roofline's tokens per expert).
-One program does it all: the counts, an exclusive scan over experts, then each pair's rank inside
-its expert (a one-hot [chunk, E] cumulative sum, which keeps the sort stable without a sort). The
-work is O(T * top_k * E) simple integer ops on registers - microseconds at decode and prefill
-sizes - and being one program it needs no atomics and no zeroed buffers, and its order is fixed.
+Two launches, each a program per chunk of pairs (about one per SM): the first counts its chunk's
+pairs per expert; the second scans the totals over experts (padded starts), adds the counts of
+the chunks before its own, and places each pair at its start plus its rank inside the chunk (a
+one-hot [chunk, E] cumulative sum): the stable order of a sort, without a sort, without atomics
+and without a zeroed buffer, so the layout is the same on every run.
 """
 from __future__ import annotations
 
@@ -110,49 +111,80 @@ def align_by_expert_ref(experts: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _align_kernel(Experts, PairOrder, BlockExpert, Counts, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
-                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _align_count_kernel(Experts, Hist, PairOrder, P, num_slots, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                        BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    """Pass 1, a program per CHUNK pairs: its chunk's pairs per expert (a row of Hist), and its share
+    of the padding slots filled."""
+    c = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
-    c_offs = tl.arange(0, CHUNK)
+    s_offs = tl.arange(0, SUB)
+    share = tl.cdiv(num_slots, tl.num_programs(0))
+    for s in range(c * share, (c + 1) * share, SUB):
+        tl.store(PairOrder + s + s_offs, P, mask=(s + s_offs < num_slots) & (s + s_offs < (c + 1) * share))
     pdl_wait(PDL)       # the experts are route_topk's output
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(0, P, CHUNK):
-        ids = tl.load(Experts + c + c_offs, mask=c + c_offs < P, other=-1)
+    for s in range(c * CHUNK, (c + 1) * CHUNK, SUB):
+        ids = tl.load(Experts + s + s_offs, mask=s + s_offs < P, other=-1)
         counts += tl.sum((ids[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(Hist + c * BLOCK_E + e_offs, counts)
+
+
+@triton.jit
+def _align_place_kernel(Experts, Hist, PairOrder, BlockExpert, Counts, P, E, num_chunks, num_blocks,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Pass 2, a program per chunk: every expert's padded start (an exclusive scan of the totals),
+    plus the pairs of earlier chunks (the rows of Hist above this one), plus the rank inside the
+    chunk (a one-hot cumulative sum) is each pair's slot: the stable order, with no atomics."""
+    c = tl.program_id(0)
+    e_offs = tl.arange(0, BLOCK_E)
+    s_offs = tl.arange(0, SUB)
+    pdl_wait(PDL)       # Hist and the padding are pass 1's
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r in range(0, num_chunks):
+        row = tl.load(Hist + r * BLOCK_E + e_offs)
+        totals += row
+        before += tl.where(r < c, row, 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(Counts + e_offs, counts, mask=e_offs < E)
-    # padding slots first; the barrier orders them before the pairs' stores over the same slots
-    for s in range(0, NUM_BLOCKS * BLOCK_M, CHUNK):
-        tl.store(PairOrder + s + c_offs, P, mask=s + c_offs < NUM_BLOCKS * BLOCK_M)
-    for b in range(0, NUM_BLOCKS, CHUNK):
-        first_slot = (b + c_offs) * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_slot[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b + c_offs, tl.where(owner < E, owner, -1), mask=b + c_offs < NUM_BLOCKS)
-    tl.debug_barrier()
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(0, P, CHUNK):
-        ids = tl.load(Experts + c + c_offs, mask=c + c_offs < P, other=-1)
+    seen = ends - padded + before
+    for s in range(c * CHUNK, (c + 1) * CHUNK, SUB):
+        ids = tl.load(Experts + s + s_offs, mask=s + s_offs < P, other=-1)
         onehot = (ids[:, None] == e_offs[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - 1 + (starts + seen)[None, :]
-        slot = tl.sum(onehot * rank, axis=1)
-        tl.store(PairOrder + slot, (c + c_offs).to(tl.int32), mask=c + c_offs < P)
+        slot = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + seen[None, :]), axis=1)
+        tl.store(PairOrder + slot, (s + s_offs).to(tl.int32), mask=s + s_offs < P)
         seen += tl.sum(onehot, axis=0)
+    if c == 0:
+        tl.store(Counts + e_offs, totals, mask=e_offs < E)
+        for b in range(0, num_blocks, SUB):
+            first_slot = (b + s_offs) * BLOCK_M
+            owner = tl.sum((ends[None, :] <= first_slot[:, None]).to(tl.int32), axis=1)
+            tl.store(BlockExpert + b + s_offs, tl.where(owner < E, owner, -1), mask=b + s_offs < num_blocks)
+
+
+_ALIGN_PROGRAMS = 128       # about one program per SM: enough to stream the pairs, few Hist rows
 
 
 def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int):
-    """align_by_expert_ref's (pair_order, block_expert, expert_counts), in one launch."""
+    """align_by_expert_ref's (pair_order, block_expert, expert_counts), in two launches."""
     P = experts.numel()
     nb = max_blocks(P, num_experts, block_m)
     dev = experts.device
     pair_order = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    pdl = use_pdl(experts)
     block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(triton.next_power_of_2(max(P, 1)), 8192 // block_e))
-    _align_kernel[(1,)](experts.reshape(-1), pair_order, block_expert, counts, P, num_experts, nb, BLOCK_M=block_m,
-                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl, num_warps=4 if block_e * chunk <= 4096 else 8,
-                        **launch_options(pdl))
+    sub = max(16, min(64, 8192 // block_e))
+    chunk = max(sub, triton.next_power_of_2(triton.cdiv(max(P, 1), _ALIGN_PROGRAMS)))
+    num_chunks = triton.cdiv(max(P, 1), chunk)
+    hist = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
+    pdl = use_pdl(experts)
+    flat = experts.reshape(-1)
+    warps = 4 if block_e * sub <= 4096 else 8
+    _align_count_kernel[(num_chunks,)](flat, hist, pair_order, P, nb * block_m, CHUNK=chunk, SUB=sub, BLOCK_E=block_e,
+                                       PDL=pdl, num_warps=warps, **launch_options(pdl))
+    _align_place_kernel[(num_chunks,)](flat, hist, pair_order, block_expert, counts, P, num_experts, num_chunks, nb,
+                                       BLOCK_M=block_m, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, PDL=pdl, num_warps=warps,
+                                       **launch_options(pdl))
     return pair_order, block_expert, counts
