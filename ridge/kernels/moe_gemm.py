@@ -17,8 +17,9 @@ Two paths, chosen by the number of tokens (`SMALL_MAX_TOKENS`):
     and the layout needs an alignment pass first; vLLM's fused kernel loses to a dense GEMV of
     the same bytes at small batch for these reasons. Here gate/up runs one program per (pair,
     N tile) with SiLU-and-mul in its epilogue; down runs one program per (token, N tile) that
-    walks the token's top_k experts in order, applies the routing weights and sums them in
-    registers: the top-k sum is fused and its order fixed (batch-invariant). A token's experts
+    loads the tiles of all the token's top_k experts at once (H / BLOCK_N programs are too few to
+    keep enough bytes in flight one expert at a time), applies the routing weights and sums the
+    experts in registers: the top-k sum is fused and its order fixed (batch-invariant). A token's experts
     are distinct, so at batch 1 every selected expert's weights stream exactly once; at a few
     tokens an expert two tokens share is read twice, the second time mostly from L2.
   * Larger batches: a grouped GEMM over the pairs aligned by expert (ridge/kernels/moe_route.py):
@@ -108,9 +109,9 @@ def _dot(a, b, acc, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def _small_gate_up_kernel(X, W, Experts, Out, inter, K, TOP_K: tl.constexpr, stride_xt, stride_we, stride_wn,
-                          stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                          PDL: tl.constexpr):
+def _small_gate_up_kernel(X, W, Experts, Out, inter, K: tl.constexpr, TOP_K: tl.constexpr, stride_xt, stride_we,
+                          stride_wn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -122,7 +123,9 @@ def _small_gate_up_kernel(X, W, Experts, Out, inter, K, TOP_K: tl.constexpr, str
     x_row = X + (pair // TOP_K) * stride_xt + offs_k
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # K is a compile-time constant (a model has one H and one I): tl.range's num_stages then
+    # pipelines the weight loads (cp.async), which the FMA loop would otherwise wait on one by one
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k
         x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         m = n_mask[:, None] & k_mask[None, :]
@@ -133,28 +136,32 @@ def _small_gate_up_kernel(X, W, Experts, Out, inter, K, TOP_K: tl.constexpr, str
 
 
 @triton.jit
-def _small_down_kernel(Hid, W, Experts, RouteW, Out, N, K, TOP_K: tl.constexpr, stride_hp, stride_we, stride_wn,
-                       stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                       PDL: tl.constexpr):
+def _small_down_kernel(Hid, W, Experts, RouteW, Out, N, K: tl.constexpr, TOP_K: tl.constexpr, stride_hp, stride_we,
+                       stride_wn, stride_ot, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    js = tl.arange(0, BLOCK_TK)
     n_mask = offs_n < N
+    j_mask = js < TOP_K
     pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(Experts + t * TOP_K + j).to(tl.int64)
-        w_rows = W + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-        h_row = Hid + (t * TOP_K + j) * stride_hp + offs_k
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k
-            h = tl.load(h_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * h
-        y = round_to(tl.sum(acc, axis=1), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
-        r = round_to(tl.load(RouteW + t * TOP_K + j), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
-        total += round_to(y * r, Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+    e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
+    # all top_k experts' tiles in one [TOP_K, BLOCK_N, BLOCK_K] load: top_k times the bytes in
+    # flight per program that one expert at a time would have (H / BLOCK_N programs are few)
+    w_tile = W + e[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn + offs_k[None, None, :]
+    h_rows = Hid + (t * TOP_K + js)[:, None] * stride_hp + offs_k[None, :]
+    acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k < K - k
+        h = tl.load(h_rows + k, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        m = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_tile + k, mask=m, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * h[:, None, :]
+    y = round_to(tl.sum(acc, axis=2), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+    r = round_to(tl.load(RouteW + t * TOP_K + js, mask=j_mask, other=0.0), Out.dtype.element_ty, EMULATE_RNE)
+    routed = round_to(y * r.to(tl.float32)[:, None], Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
+    total = tl.sum(routed, axis=0)
     tl.store(Out + t * stride_ot + offs_n, round_to(total, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
 
 
@@ -220,14 +227,15 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     pdl, rne = use_pdl(x), emulate_rne(x)
     gu, dn = tiles
     experts, weights = experts.contiguous(), weights.contiguous()
+    block_tk = triton.next_power_of_2(top_k)         # down loads every expert's tile at once: block_k is shared
     _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
         x, w13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EMULATE_RNE=rne, PDL=pdl, num_warps=gu.num_warps,
-        num_stages=gu.num_stages, **launch_options(pdl))
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, NUM_STAGES=gu.num_stages, EMULATE_RNE=rne, PDL=pdl,
+        num_warps=gu.num_warps, **launch_options(pdl))
     _small_down_kernel[(T, triton.cdiv(H, dn.block_n))](
         hidden, w2, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EMULATE_RNE=rne, PDL=pdl, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **launch_options(pdl))
+        out.stride(0), BLOCK_TK=block_tk, BLOCK_N=dn.block_n, BLOCK_K=max(16, dn.block_k // block_tk), NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl,
+        num_warps=dn.num_warps, **launch_options(pdl))
     return out
 
 
