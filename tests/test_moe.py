@@ -178,8 +178,30 @@ def test_moe_cost_counts_the_experts_selected():
     assert moe.tokens_per_expert(6) == [0, 0, 0, 6, 0, 6, 0, 0]
     six = StepShape((6,), (6,))
     costs = {c.name: c for c in moe.cost(six)}
-    assert costs["moe_gate_up"].param_bytes + costs["moe_down"].param_bytes == 2 * expert_bytes
-    assert costs["moe_gate_up"].flops == 2 * 12 * 16 * 16 + 5 * 12 * 8       # 12 routed pairs
+    assert costs["moe_experts"].param_bytes == 2 * expert_bytes
+    assert costs["moe_experts"].flops == 2 * 12 * 3 * 16 * 8 + 5 * 12 * 8 + 2 * 12 * 16      # 12 routed pairs
+    assert costs["moe_experts"].expert_load == (6, 1.5, 6)
     # another token count: the expectation again, between top_k and all experts
-    seven = sum(c.param_bytes for c in moe.cost(StepShape((7,), (7,))))
-    assert 2 * expert_bytes < seven < 8 * expert_bytes
+    seven = moe.cost(StepShape((7,), (7,)))
+    assert 2 * expert_bytes < sum(c.param_bytes for c in seven) < 8 * expert_bytes
+    assert seven[-1].expert_load is None
+
+
+def test_roofline_reports_uneven_expert_load(checkpoints):
+    from ridge.roofline.costs import merge
+    from ridge.roofline.diagnose import diagnose_step
+    from ridge.roofline.timeline import StepTiming
+    from ridge.utils.ceilings import Ceilings
+
+    llm = _moe_llm(checkpoints)
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        layer.mlp.experts.routed = torch.tensor([[0, 1, 2, 3]] * 30 + [[4, 5, 6, 7]] * 2, dtype=torch.int32)
+    shape = StepShape((32,), (32,))
+    costs = merge(model.cost(shape))
+    assert next(c for c in costs if c.name == "moe_experts").expert_load == (30, 8.0, 8)
+    ceil = Ceilings("cpu", "cpu", "k", 1e11, {"fp32": 1e12}, 1e-6)
+    timing = StepTiming(step_s=1e-2, op_s={c.name: 1e-4 for c in costs}, kernels={c.name: 1 for c in costs},
+                        calls={c.name: 1 for c in costs})
+    rep = diagnose_step("prefill", shape, costs, timing, ceil, 1, 32, 32)
+    assert any("uneven" in n and "up to 30" in n and "3.8x" in n for n in rep.notes)

@@ -118,10 +118,12 @@ def _align_count_kernel(Experts, Hist, PairOrder, P, num_slots, CHUNK: tl.conste
     c = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
     s_offs = tl.arange(0, SUB)
+    # nothing is written before the wait: under PDL the previous kernel may still be reading
+    # memory the allocator has handed to this one
+    pdl_wait(PDL)       # the experts are route_topk's output
     share = tl.cdiv(num_slots, tl.num_programs(0))
     for s in range(c * share, (c + 1) * share, SUB):
         tl.store(PairOrder + s + s_offs, P, mask=(s + s_offs < num_slots) & (s + s_offs < (c + 1) * share))
-    pdl_wait(PDL)       # the experts are route_topk's output
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for s in range(c * CHUNK, (c + 1) * CHUNK, SUB):
         ids = tl.load(Experts + s + s_offs, mask=s + s_offs < P, other=-1)

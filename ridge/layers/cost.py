@@ -76,6 +76,9 @@ class OpCost:
     calls: int = 1            # kernels' worth of calls in the step
     compute: str = "bf16"     # the matrix ceiling its FLOPs are held against
     module: str = ""          # the module whose forward runs it (see the module docstring)
+    # a MoE layer's load in the step, when known: (most pairs on one expert, mean pairs an expert,
+    # experts with none); summed ops keep the most imbalanced layer's
+    expert_load: tuple[int, float, int] | None = None
 
 
 def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCost]:

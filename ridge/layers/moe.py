@@ -89,19 +89,18 @@ class FusedMoE(nn.Module):
         return torch.bincount(r.reshape(-1).long().cpu(), minlength=self.num_experts).tolist()
 
     def cost(self, step: StepShape) -> list[OpCost]:
-        """Routing (softmax + top-k over [T, E] logits), gate/up with SiLU-and-mul, down with the
-        routing weight and the top-k sum; weights of the distinct experts the step selects (the
-        last step's choice when it had this many tokens, else the uniform-routing expectation)."""
+        """Routing (softmax + top-k over [T, E] logits), then the experts: gate/up with SiLU-and-mul,
+        down with the routing weight and the top-k sum (one op: one forward runs them). Weights
+        of the distinct experts the step selects (the last step's choice when it had this many
+        tokens, else the uniform-routing expectation); FLOPs of the T * top_k routed pairs."""
         T, E, k, H, inter = step.num_tokens, self.num_experts, self.top_k, self.hidden_size, self.expert_size
         a, w = step.act.bytes, self.w13_weight.element_size()
         counts = self.tokens_per_expert(T)
         distinct = sum(1 for c in counts if c) if counts is not None else E * (1 - (1 - k / E) ** T)
         pairs = T * k
         route = OpCost("moe_route", "elementwise", 6 * T * E, T * E * 4 + pairs * 8, compute=step.act.compute)
-        gu_params = distinct * 2 * inter * H * w
-        gate_up = OpCost("moe_gate_up", "gemm", 2 * pairs * 2 * inter * H + 5 * pairs * inter,
-                         gu_params + T * H * a + pairs * inter * a, gu_params, compute=step.act.compute)
-        dn_params = distinct * H * inter * w
-        down = OpCost("moe_down", "gemm", 2 * pairs * H * inter + 2 * pairs * H,
-                      dn_params + pairs * inter * a + T * H * a, dn_params, compute=step.act.compute)
-        return [route, gate_up, down]
+        params = distinct * 3 * inter * H * w
+        flops = 2 * pairs * 3 * inter * H + 5 * pairs * inter + 2 * pairs * H
+        moved = params + 2 * T * H * a + 2 * pairs * inter * a       # x in, the output, h written and read
+        load = (max(counts), pairs / E, counts.count(0)) if counts is not None else None
+        return [route, OpCost("moe_experts", "gemm", flops, moved, params, compute=step.act.compute, expert_load=load)]

@@ -84,7 +84,14 @@ def merge(costs: list[OpCost]) -> list[OpCost]:
         else:
             o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
             o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
+            if c.expert_load is not None and (o.expert_load is None or imbalance(c) > imbalance(o)):
+                o.expert_load = c.expert_load
     return list(out.values())
+
+
+def imbalance(c: OpCost) -> float:
+    """The busiest expert's pairs over the mean (1: an even load); 0 without a known load."""
+    return c.expert_load[0] / c.expert_load[1] if c.expert_load is not None and c.expert_load[1] else 0.0
 
 
 def step_costs(model, step: StepShape) -> list[OpCost]:

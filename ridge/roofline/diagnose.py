@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
-from ridge.roofline.costs import matrix_compute, utilization
+from ridge.roofline.costs import imbalance, matrix_compute, utilization
 from ridge.roofline.predict import launch_floor_s, launches_s
 
 # A kernel must last at least two launch overheads for the launching side to stay ahead of the
@@ -36,6 +36,9 @@ BOUND_FRACTION = 0.5
 # Above this fraction of the memory roof, an op's bytes cannot all come from DRAM (allowing 10%
 # for timing noise): its working set sits in cache, common on CPUs with a large L3.
 CACHE_FRACTION = 1.1
+# A MoE layer whose busiest expert has this many times the mean pairs or more gets a load note
+# (the grouped GEMM's time follows its busiest expert, the weight bytes its distinct experts).
+IMBALANCE_NOTE = 1.5
 # A step whose device idles this share of the time or more gets "launch gaps" advice.
 IDLE_ADVICE_FRACTION = 0.2
 
@@ -230,6 +233,12 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
         op_s.pop(inner.name, None)
         notes.append(f"{inner.name} is not timed on its own: it runs inside {' and '.join(hosts)} "
                      f"({inner.module or 'the model'}), whose time includes it; its cost is included there")
+    for c in costs:
+        if imbalance(c) >= IMBALANCE_NOTE:
+            most, mean, idle = c.expert_load
+            notes.append(f"{c.name}: expert load is uneven: up to {most} (token, expert) pairs on one expert against a "
+                         f"mean of {mean:.3g} ({imbalance(c):.1f}x; {idle} experts got none) in the most imbalanced "
+                         f"layer; tiles of the busiest expert run after the others finish")
     step = timing.step_s
     graph = getattr(timing, "graph", False)
     rows = [op_row(c, op_s.get(c.name), kernels.get(c.name), calls.get(c.name, 0.0), step, ceilings, graph)
