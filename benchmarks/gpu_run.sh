@@ -49,6 +49,8 @@
 #                  torch reference and cuBLAS bmm, tokens 1..4096; the grouped GEMM at 4096 pairs -> moe_kernels.json
 #   moe-e2e        benchmarks/moe.py e2e on the Qwen3-30B-A3B shape (config only, dummy weights): decode batch
 #                  1/64/256 with MBU, and HF transformers on the same config in the same run -> moe_e2e.json
+#   moe-roofline   ridge roofline on the Qwen3-30B-A3B shape (dummy weights): prefill 2048, decode batch 1 and 64
+#                  -> roofline_moe.{md,json}
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
@@ -62,7 +64,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-mixtral
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
@@ -231,6 +233,11 @@ part moe-kernels 120 500 "python3 benchmarks/moe.py kernels ${MOE_ARGS:-} --json
 part moe-e2e 200 580 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-30b-a3b --arch qwen3moe --preset qwen3-30b-a3b \
     --config-only > /dev/null && python3 benchmarks/moe.py e2e --model /tmp/qwen3-30b-a3b --batches 1 64 256 --hf \
     ${MOE_E2E_ARGS:-} --json $OUT/moe_e2e.json 2>&1 | grep -v -i warn"
+part moe-roofline 100 300 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-30b-a3b --arch qwen3moe --preset qwen3-30b-a3b \
+    --config-only > /dev/null && python3 -m ridge roofline --model /tmp/qwen3-30b-a3b --load-format dummy --batch 1 64 \
+    --context 1024 --prefill-len 2048 --max-model-len 4096 --kv-cache-memory 8e9 --out /tmp/roofline-moe 2>&1 \
+    | grep -v -i warn | tail -40 && cp /tmp/roofline-moe/report.md $OUT/roofline_moe.md && \
+    cp /tmp/roofline-moe/report.json $OUT/roofline_moe.json"
 part moe-mixtral 150 500 "python3 -m ridge.utils.random_checkpoint /tmp/mixtral-8x7b --arch mixtral --preset mixtral-8x7b \
     --config-only > /dev/null && python3 benchmarks/moe.py e2e --model /tmp/mixtral-8x7b --batches 1 \
     --kv-cache-memory 4e9 --json $OUT/moe_mixtral.json 2>&1 | grep -v -i warn"
