@@ -117,7 +117,8 @@ def kernel_shape(a, s: dict, name: str, gen, bw: float, roof: float) -> dict:
         print(f"  {name} grouped GEMM, {T * k} pairs: {grouped[-1]['tflops']:.0f} TFLOP/s = "
               f"{grouped[-1]['fraction_of_roof']:.1%} of the bf16 roof", flush=True)
     return dict(shape=s, plan_seconds=plan_s, rows=rows, grouped=grouped,
-                plan={str(b): [p, [list(t) for t in ts]] for b, (p, ts) in moe.plan.table.items()})
+                plan={str(b): [p, [list(t) for t in ts]] for b, (p, ts) in moe.plan.table.items()},
+                plan_us={str(b): us for b, us in moe.plan.us.items()})
 
 
 def moe_ref(moe, s):

@@ -30,14 +30,15 @@ SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 3), (16, 128, 4, 3), (1
 GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
     (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3))]
-VERSION = 1
+VERSION = 2                # 2: clocks raised before timing; more grouped tiles
 
 
 class MoePlan:
     """Per bucket: ("small", (gate/up tiles, down tiles)) or ("grouped", (gate/up tiles, down tiles))."""
 
-    def __init__(self, table: dict[int, tuple[str, tuple]]):
+    def __init__(self, table: dict[int, tuple[str, tuple]], us: dict[int, dict] | None = None):
         self.table = table
+        self.us = us or {}          # bucket -> {path: measured microseconds}
 
     def choice(self, tokens: int) -> tuple[str, tuple]:
         i = min(bisect.bisect_left(BUCKETS, tokens), len(BUCKETS) - 1)
@@ -116,4 +117,5 @@ def moe_plan(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
     E, two_i, H = w13.shape
     name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{str(w13.dtype).removeprefix('torch.')}.json"
     table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
-    return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()})
+    return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},
+                   {int(t): e["us"] for t, e in table.items()})
