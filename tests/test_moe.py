@@ -196,12 +196,18 @@ def test_roofline_reports_uneven_expert_load(checkpoints):
     llm = _moe_llm(checkpoints)
     model = llm.engine.runner.model
     for layer in model.model.layers:
-        layer.mlp.experts.routed = torch.tensor([[0, 1, 2, 3]] * 30 + [[4, 5, 6, 7]] * 2, dtype=torch.int32)
-    shape = StepShape((32,), (32,))
+        layer.mlp.experts.routed = torch.tensor([[0, 1, 2, 3]] * 120 + [[4, 5, 6, 7]] * 8, dtype=torch.int32)
+    shape = StepShape((128,), (128,))
     costs = merge(model.cost(shape))
-    assert next(c for c in costs if c.name == "moe_experts").expert_load == (30, 8.0, 8)
+    assert next(c for c in costs if c.name == "moe_experts").expert_load == (120, 32.0, 8)
     ceil = Ceilings("cpu", "cpu", "k", 1e11, {"fp32": 1e12}, 1e-6)
     timing = StepTiming(step_s=1e-2, op_s={c.name: 1e-4 for c in costs}, kernels={c.name: 1 for c in costs},
                         calls={c.name: 1 for c in costs})
-    rep = diagnose_step("prefill", shape, costs, timing, ceil, 1, 32, 32)
-    assert any("uneven" in n and "up to 30" in n and "3.8x" in n for n in rep.notes)
+    rep = diagnose_step("prefill", shape, costs, timing, ceil, 1, 128, 128)
+    assert any("uneven" in n and "up to 120" in n and "3.8x" in n for n in rep.notes)
+    # at a few rows an expert (decode) every expert fits one tile: no note
+    for layer in model.model.layers:
+        layer.mlp.experts.routed = torch.tensor([[0, 1, 2, 3]] * 3 + [[4, 5, 6, 7]], dtype=torch.int32)
+    small = StepShape((1,) * 4, (9,) * 4)
+    rep = diagnose_step("decode", small, merge(model.cost(small)), timing, ceil, 4, 9, 1)
+    assert not any("uneven" in n for n in rep.notes)

@@ -39,6 +39,7 @@ CACHE_FRACTION = 1.1
 # A MoE layer whose busiest expert has this many times the mean pairs or more gets a load note
 # (the grouped GEMM's time follows its busiest expert, the weight bytes its distinct experts).
 IMBALANCE_NOTE = 1.5
+MIN_TILE_ROWS = 16
 # A step whose device idles this share of the time or more gets "launch gaps" advice.
 IDLE_ADVICE_FRACTION = 0.2
 
@@ -234,7 +235,9 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
         notes.append(f"{inner.name} is not timed on its own: it runs inside {' and '.join(hosts)} "
                      f"({inner.module or 'the model'}), whose time includes it; its cost is included there")
     for c in costs:
-        if imbalance(c) >= IMBALANCE_NOTE:
+        # below a tile's worth of rows an expert (MIN_TILE_ROWS) every expert's rows fit one tile:
+        # the layer is bound by its weight bytes, not by how the rows spread
+        if imbalance(c) >= IMBALANCE_NOTE and c.expert_load[1] >= MIN_TILE_ROWS:
             most, mean, idle = c.expert_load
             notes.append(f"{c.name}: expert load is uneven: up to {most} (token, expert) pairs on one expert against a "
                          f"mean of {mean:.3g} ({imbalance(c):.1f}x; {idle} experts got none) in the most imbalanced "
