@@ -1,8 +1,6 @@
-"""Engine and model configuration.
-
-`ModelConfig` is read from a HuggingFace `config.json` and normalises the spellings that
-transformers 4.x and 5.x write (`rope_scaling`/`rope_theta` vs `rope_parameters`,
-`torch_dtype` vs `dtype`). `EngineConfig` is the one list of engine settings.
+"""Engine configuration: `EngineConfig` is the one list of engine settings, `SpeculativeConfig` the
+parsed `speculative_config`. The model's own configuration (`ModelConfig`, read from config.json)
+is ridge/model_config.py's, re-exported here.
 """
 from __future__ import annotations
 
