@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ridge import settings
-from ridge.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, parse_dtype  # noqa: F401
+from ridge.model_config import ModelConfig, parse_dtype
 from ridge.settings import setting
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -154,6 +154,11 @@ def test_moe_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
         LLM(str(bad), device="cpu", show_progress=False)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(src, device="cpu", show_progress=False, quantization="int4")
+    from ridge.quantize import quantize
+    for method in ("rtn", "fp8"):
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            quantize(src, str(tmp_path / method), method=method, device="cpu")
+        assert not (tmp_path / method).exists()
 
 
 def test_dummy_moe_model_runs(checkpoints):

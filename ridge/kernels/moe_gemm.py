@@ -218,7 +218,7 @@ def _check(x, w13, w2, weights, experts):
 def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, SmallTiles] = (DEFAULT_SMALL,) * 2):
     """The small-batch path (module docstring); tiles: (gate/up's, down's)."""
     _check(x, w13, w2, weights, experts)
-    (T, H), (E, two_i, _), top_k = x.shape, w13.shape, experts.shape[1]
+    (T, H), two_i, top_k = x.shape, w13.shape[1], experts.shape[1]
     inter = two_i // 2
     hidden = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)

@@ -1,7 +1,7 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from ridge.config import SUPPORTED_ARCHITECTURES
+from ridge.model_config import SUPPORTED_ARCHITECTURES
 
 
 def model_class(architecture: str):

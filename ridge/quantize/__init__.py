@@ -46,6 +46,9 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     if model_cfg.quantization_config is not None or cfg.quantization is not None:
         raise ValueError(f"model: {src!r} would load quantized (quantization_config or --quantization); "
                          f"ridge quantize starts from a float checkpoint")
+    if model_cfg.moe is not None:
+        raise ValueError(f"model: {model_cfg.architecture} is a mixture-of-experts model; ridge quantizes dense "
+                         f"Llama-family checkpoints only (its expert kernels run float weights)")
     check_out_dir(src, out)
     if method == "fp8":
         return _write_fp8(src, out, engine_settings, show_progress)
