@@ -209,11 +209,13 @@ def test_describe_lists_every_setting():
 def test_config_modules_import_nothing_above_them():
     import ast
     import ridge.config
+    import ridge.model_config
     import ridge.settings
-    for mod in (ridge.config, ridge.settings):
+    for mod in (ridge.config, ridge.model_config, ridge.settings):
         tree = ast.parse(open(mod.__file__).read())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
                    {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         # ridge.assets (the bundled demo model's path) sits beside them, below everything else
-        assert {m for m in imported if m.startswith("ridge")} <= {"ridge", "ridge.settings", "ridge.assets"}
+        assert {m for m in imported if m.startswith("ridge")} <= {"ridge", "ridge.settings", "ridge.assets",
+                                                                  "ridge.model_config"}
     assert dataclasses.is_dataclass(EngineConfig)
