@@ -259,18 +259,15 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
     return out
 
 
-def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, GroupedTiles] = (DEFAULT_GROUPED,) * 2,
-                      layout=None):
-    """The grouped path (module docstring); tiles: (gate/up's, down's), which must share block_m.
-    layout: align_by_expert(experts, E, block_m) when the caller has it already."""
+def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, GroupedTiles] = (DEFAULT_GROUPED,) * 2):
+    """The grouped path (module docstring); tiles: (gate/up's, down's), which must share block_m."""
     _check(x, w13, w2, weights, experts)
     gu, dn = tiles
     if gu.block_m != dn.block_m:
         raise ValueError(f"fused_moe: gate/up and down tiles share the aligned layout, so block_m; got "
                          f"{gu.block_m} and {dn.block_m}")
     T, top_k = experts.shape
-    if layout is None:
-        layout = align_by_expert(experts.contiguous(), w13.shape[0], gu.block_m)
+    layout = align_by_expert(experts.contiguous(), w13.shape[0], gu.block_m)
     P = T * top_k
     hidden = grouped_gemm(x, w13, layout, P, top_k, gu, gated=True)
     y = grouped_gemm(hidden, w2, layout, P, 1, dn, route_weights=weights.contiguous().view(-1))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
-from ridge.kernels.moe_route import align_by_expert, route_topk, route_topk_ref
+from ridge.kernels.moe_route import route_topk, route_topk_ref
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 
@@ -78,8 +78,7 @@ class FusedMoE(nn.Module):
         path, tiles = self.plan.choice(x.shape[0])
         if path == "small":
             return fused_moe_small(x, w13, w2, weights, experts, tiles)
-        return fused_moe_grouped(x, w13, w2, weights, experts, tiles,
-                                 layout=align_by_expert(experts, self.num_experts, tiles[0].block_m))
+        return fused_moe_grouped(x, w13, w2, weights, experts, tiles)
 
     def tokens_per_expert(self, num_tokens: int) -> list[int] | None:
         """The last step's pairs per expert, if its expert choice is kept and was for num_tokens."""
