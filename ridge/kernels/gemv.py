@@ -61,7 +61,7 @@ import triton.language as tl
 
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
-from ridge.kernels.silu_mul import silu_and_mul_ref
+from ridge.kernels.silu_mul import silu_and_mul_ref, silu_times
 
 GEMV_MAX_ROWS = 8          # decode CUDA-graph buckets 1, 2, 4, 8; larger batches go to cuBLAS
 ACTS = (None, "silu_mul")
@@ -88,10 +88,9 @@ def _x_tile(X, offs_m, m_mask, k, K, stride_xm, stride_xk,
     if SILU_MUL:
         g = tl.load(rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(rows + (k[None, :] + K) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        # as in silu_mul.py: IEEE division, silu rounded to the storage dtype before the
-        # product, the product rounded once - the unfused path's rounding points exactly
-        a = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), X.dtype.element_ty, EMULATE_RNE)
-        h = a.to(tl.float32) * u
+        # silu_mul.py's arithmetic, the product rounded once below: the unfused path's rounding
+        # points exactly
+        h = silu_times(g, u, X.dtype.element_ty, EMULATE_RNE)
         if LAYOUT_BARRIER:
             # max(h, h) == h exactly, but a reduction is where Triton stops propagating the dot
             # operand's layout backwards. Without it the silu is evaluated in the MMA operand

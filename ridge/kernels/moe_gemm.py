@@ -48,6 +48,7 @@ import triton.language as tl
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
+from ridge.kernels.silu_mul import silu_times
 from ridge.kernels.tiles import grouped_tile
 
 SMALL_MAX_TOKENS = 16
@@ -94,8 +95,7 @@ def _silu_mul(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """silu(g) * u at silu_and_mul's rounding points (ridge/kernels/silu_mul.py), from fp32 sums."""
     g = round_to(g, DTYPE, EMULATE_RNE).to(tl.float32)
     u = round_to(u, DTYPE, EMULATE_RNE).to(tl.float32)
-    act = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMULATE_RNE).to(tl.float32)
-    return round_to(act * u, DTYPE, EMULATE_RNE)
+    return round_to(silu_times(g, u, DTYPE, EMULATE_RNE), DTYPE, EMULATE_RNE)
 
 
 @triton.jit

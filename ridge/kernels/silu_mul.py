@@ -36,6 +36,19 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_times(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """silu(g) * u in fp32 from fp32 g and u, silu rounded to DTYPE before the product: the
+    reference's rounding points (the caller rounds the product once). Shared by every kernel
+    that fuses this activation (here, the GEMV's K loop, the MoE expert kernels' epilogues)."""
+    # exp(-g) overflows to inf for g < -88 and g / inf = -0: the correct limit, no NaN. The
+    # IEEE division (div.rn, as torch's silu uses) costs a few more instructions than Triton's
+    # default div.full, which the memory-bound kernels hide, and keeps bf16 results bitwise equal
+    # to the reference far more often.
+    act = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMULATE_RNE)
+    return act.to(tl.float32) * u
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, inter, stride_xt, stride_xi, stride_ot, stride_oi,
                          BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
@@ -45,12 +58,7 @@ def _silu_and_mul_kernel(X, Out, inter, stride_xt, stride_xi, stride_ot, stride_
     pdl_wait(PDL)   # x is the gate/up GEMM's output (ridge/kernels/pdl.py)
     g = tl.load(row + cols * stride_xi, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + (cols + inter) * stride_xi, mask=mask, other=0.0).to(tl.float32)
-    # exp(-g) overflows to inf for g < -88 and g / inf = -0: the correct limit, no NaN. The
-    # IEEE division (div.rn, as torch's silu uses) costs a few more instructions than Triton's
-    # default div.full, which the memory-bound kernel hides, and keeps bf16 results bitwise equal
-    # to the reference far more often.
-    act = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), X.dtype.element_ty, EMULATE_RNE)
-    y = act.to(tl.float32) * u
+    y = silu_times(g, u, X.dtype.element_ty, EMULATE_RNE)
     tl.store(Out + tok * stride_ot + cols * stride_oi, round_to(y, Out.dtype.element_ty, EMULATE_RNE),
              mask=mask)
 
