@@ -17,7 +17,7 @@ from ridge.layers.attention import TORCH_BACKEND
 from ridge.layers.linear import Linear
 from ridge.layers.norm import RMSNorm
 from ridge.layers.weights import default_weight_loader
-from ridge.models.loader import LOAD_FORMATS, _param_slot, load_model
+from ridge.models.loader import LOAD_FORMATS, load_model
 from ridge.utils.random_checkpoint import make_random_checkpoint
 
 
@@ -72,9 +72,9 @@ def test_unmerged_parameters_load_whole_with_a_shape_check():
 def test_loader_dispatches_each_tensor_to_its_parameter_and_shard(checkpoints):
     path = checkpoints("qwen2")    # q/k/v biases: merged biases too
     model = build(path)
-    assert _param_slot(model, "model.layers.1.self_attn.k_proj.bias") == ("model.layers.1.self_attn.qkv_proj.bias", "k")
-    assert _param_slot(model, "model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", "up")
-    assert _param_slot(model, "model.norm.weight") == ("model.norm.weight", None)
+    assert model.checkpoint_slot("model.layers.1.self_attn.k_proj.bias") == ("model.layers.1.self_attn.qkv_proj.bias", "k")
+    assert model.checkpoint_slot("model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", "up")
+    assert model.checkpoint_slot("model.norm.weight") == ("model.norm.weight", None)
     ckpt = load_file(f"{path}/model.safetensors")
     for i in range(2):
         pre = f"model.layers.{i}"

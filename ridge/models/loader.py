@@ -57,11 +57,6 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def _param_slot(model: torch.nn.Module, name: str):
-    """Map a checkpoint tensor name to (ridge parameter name, shard id or None)."""
-    return model.checkpoint_slot(name)
-
-
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, show_progress: bool = True,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
@@ -138,7 +133,7 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         name, tensor = got
                     if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                         continue
-                    pname, shard = _param_slot(model, name)
+                    pname, shard = model.checkpoint_slot(name)
                     if (pname, shard) not in expected:
                         if cfg.quant is not None and name.endswith(".bias") and not f.get_tensor(name).any():
                             continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)
