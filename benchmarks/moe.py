@@ -9,7 +9,7 @@
            the balanced-load ideal a grouped GEMM is held to). Per row: time, bytes of the distinct
            experts touched and their fraction of the measured copy bandwidth (MBU), TFLOP/s and
            their fraction of the measured bf16 matrix roof; and the grouped GEMM alone (gate/up +
-           down, alignment and top-k sum excluded) at 4096 routed pairs and at 4096 tokens.
+           down with the top-k sum fused, alignment excluded) at 4096 routed pairs and at 4096 tokens.
   e2e      the engine on a config-only checkpoint with --load-format dummy (e.g. the Qwen3-30B-A3B
            shape from `python -m ridge.utils.random_checkpoint DIR --arch qwen3moe --preset
            qwen3-30b-a3b --config-only`): decode tokens/s and MBU (all bytes) and the MBU of the
@@ -106,10 +106,10 @@ def kernel_shape(a, s: dict, name: str, gen, bw: float, roof: float) -> dict:
         layout = align_by_expert(experts, E, gu.block_m)
         t = time_calls([lambda: (grouped_gemm(x, moe.w13_weight, layout, T * k, k, gu, gated=True),
                                  grouped_gemm(hidden, moe.w2_weight, layout, T * k, 1, dn,
-                                              route_weights=weights.view(-1)))] * 5, reps=10)
+                                              route_weights=weights))] * 5, reps=10)
         flops = 2 * T * k * 3 * H * inter
         counts = torch.bincount(experts.view(-1).long(), minlength=E)
-        intensity = flops / (int((counts > 0).sum()) * expert_bytes + T * k * (H + 2 * inter) * 2 + T * H * 2)
+        intensity = flops / (int((counts > 0).sum()) * expert_bytes + T * k * (3 * H + 2 * inter) * 2 + T * H * 2)
         grouped.append(dict(tokens=T, pairs=T * k, us=t.median_us, tflops=flops / t.median_us / 1e6,
                             fraction_of_roof=flops / (t.median_us * 1e-6) / roof, intensity_flop_per_byte=intensity,
                             attainable_fraction=min(1.0, intensity * bw / roof), max_tokens_per_expert=int(counts.max()),

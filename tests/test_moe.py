@@ -81,8 +81,8 @@ def test_expert_kernels_match_reference(T, E, k, kind, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 32, 4, 1),) * 2)
     torch.testing.assert_close(small.float(), ref, **tol)
-    for bm in (16, 32):
-        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 16, 32, 4, 1),) * 2)
+    for bm, fuse_sum in ((16, True), (32, True), (16, False)):
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 16, 32, 4, 1),) * 2, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)
 
 

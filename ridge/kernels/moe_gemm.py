@@ -28,10 +28,17 @@ Two paths, chosen by the number of tokens (`SMALL_MAX_TOKENS`):
     share an expert's weight tiles in L2. Tiles past the last used one exit at once, so the
     grid can be sized for the worst case and captured in a CUDA graph. gate/up computes the gate
     and the up tile of the same columns in two accumulators and writes silu(gate) * up; down
-    multiplies each row by its routing weight and writes it to the pair's own row of a
-    [T * top_k, H] buffer, whose top-k sum is one more pass (`torch.sum` over k, a fixed order):
-    summing in the kernel would need atomics, whose order - and so the rounding - would change
-    with the batch.
+    multiplies each row by its routing weight and fuses the top-k sum. A token's top_k rows lie
+    in top_k different experts' tiles, so different programs; adding them with float atomics
+    would make the order - and so the rounding - change with the batch. Instead each program
+    writes its weighted rows to the pairs' own rows of a [T * top_k, H] scratch and counts them
+    in a per-(token, N tile) counter (an acq_rel atomic after a CTA barrier: the classic
+    last-block reduction); the program that brings a token's count to top_k reads the token's
+    top_k rows back (its own from registers) and sums them in slot order in fp32. The sum is the
+    same whatever the batch and whichever program arrives last, and no launch follows; but its
+    reads sit in the GEMM's epilogue, where their latency is exposed, and at thousands of tokens
+    the scratch outgrows L2: a torch sum after the kernel (`fuse_sum=False`, the same bytes in one
+    streaming pass) is then faster, so the plan (ridge/layers/moe_tuning.py) measures both.
 
 Rounding follows the reference's points in the activation dtype (the GEMM outputs, silu, the
 product, each expert's output, the routed product); accumulation is fp32.
@@ -166,10 +173,10 @@ def _small_down_kernel(Hid, W, Experts, RouteW, Out, N, K: tl.constexpr, TOP_K: 
 
 
 @triton.jit
-def _grouped_kernel(X, W, Out, PairOrder, BlockExpert, RouteW, num_pairs, N, K, x_rows_per_pair, num_blocks,
-                    stride_xm, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-                    EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
+def _grouped_kernel(X, W, Out, PairOrder, BlockExpert, RouteW, Scratch, Arrived, num_pairs, N, K, x_rows_per_pair,
+                    num_blocks, stride_xm, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
+                    TOP_K: tl.constexpr, FUSE_SUM: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_wait(PDL)       # the layout is the alignment kernel's, x the previous layer's
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
@@ -191,15 +198,34 @@ def _grouped_kernel(X, W, Out, PairOrder, BlockExpert, RouteW, num_pairs, N, K, 
             if GATED:
                 w_up = tl.load(w_ptrs + N * stride_wn + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 acc_u = _dot(a, w_up, acc_u, EMULATE_RNE)
-        if GATED:
-            y = _silu_mul(acc, acc_u, Out.dtype.element_ty, EMULATE_RNE)
-        elif WEIGHTED:
+        mask = valid[:, None] & n_mask[None, :]
+        if TOP_K > 0:
             r = round_to(tl.load(RouteW + pair, mask=valid, other=0.0), Out.dtype.element_ty, EMULATE_RNE)
             y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE).to(tl.float32) * r.to(tl.float32)[:, None]
             y = round_to(y, Out.dtype.element_ty, EMULATE_RNE)
+            rows = Scratch + offs_n[None, :]                    # the scratch is [pairs, N], contiguous
+            tl.store(rows + pair[:, None] * N, y, mask=mask)
+            if FUSE_SUM:
+                tl.debug_barrier()                              # every thread's rows stored before the count
+                token, slot = pair // TOP_K, pair % TOP_K
+                arrived = tl.atomic_add(Arrived + token * tl.cdiv(N, BLOCK_N) + pid_n, 1, mask=valid,
+                                        sem="acq_rel", scope="gpu")
+                last = valid & (arrived == TOP_K - 1)
+                tl.debug_barrier()                              # ... and the count seen before any thread reads
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(TOP_K):                # slot order: the same sum in any batch
+                    other = last & (slot != j)                  # this program's own row is still in registers
+                    part = tl.load(rows + (token * TOP_K + j)[:, None] * N, mask=other[:, None] & n_mask[None, :],
+                                   other=0.0, cache_modifier=".cg")
+                    total += tl.where((slot == j)[:, None], y.to(tl.float32), part.to(tl.float32))
+                tl.store(Out + token[:, None] * stride_om + offs_n[None, :], round_to(total, Out.dtype.element_ty,
+                         EMULATE_RNE), mask=last[:, None] & n_mask[None, :])
         else:
-            y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE)
-        tl.store(Out + pair[:, None] * stride_om + offs_n[None, :], y, mask=valid[:, None] & n_mask[None, :])
+            if GATED:
+                y = _silu_mul(acc, acc_u, Out.dtype.element_ty, EMULATE_RNE)
+            else:
+                y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE)
+            tl.store(Out + pair[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 
 def _check(x, w13, w2, weights, experts):
@@ -240,27 +266,42 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
 
 
 def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: GroupedTiles, gated: bool = False,
-                 route_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 route_weights: torch.Tensor | None = None, fuse_sum: bool = True) -> torch.Tensor:
     """Rows of x (one per token: x_rows_per_pair = top_k; or one per pair: 1) times their pair's
-    expert's weight w [E, N(x2 if gated), K], aligned by `layout` (align_by_expert at tiles.block_m);
-    -> [num_pairs, N] in pair order: silu(gate) * up if gated; times route_weights if given."""
+    expert's weight w [E, N(x2 if gated), K], aligned by `layout` (align_by_expert at tiles.block_m)
+    -> [num_pairs, N] in pair order, silu(gate) * up if gated; or, given the routing weights
+    [T, top_k] (x one row per pair), each row times its weight and summed over the token's
+    top_k -> [T, N], in the kernel (fuse_sum) or by a torch sum after it."""
     pair_order, block_expert, _ = layout
     n = w.shape[1] // 2 if gated else w.shape[1]
-    out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     nb = block_expert.numel()
+    n_tiles = triton.cdiv(n, tiles.block_n)
+    top_k = 0 if route_weights is None else route_weights.shape[1]
+    fuse_sum = fuse_sum and top_k > 0
+    if top_k:
+        scratch = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(num_pairs // top_k, n, dtype=x.dtype, device=x.device) if fuse_sum else scratch
+        arrived = torch.zeros(num_pairs // top_k, n_tiles, dtype=torch.int32, device=x.device) if fuse_sum else out
+        route_weights = route_weights.contiguous()
+    else:
+        out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+        scratch = arrived = route_weights = out
     pdl = use_pdl(x)
-    grid = (nb * triton.cdiv(n, tiles.block_n),)
-    _grouped_kernel[grid](
-        x, w, out, pair_order, block_expert, route_weights if route_weights is not None else out, num_pairs, n,
-        w.shape[2], x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated,
-        WEIGHTED=route_weights is not None, EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **launch_options(pdl))
+    _grouped_kernel[(nb * n_tiles,)](
+        x, w, out, pair_order, block_expert, route_weights, scratch, arrived, num_pairs, n, w.shape[2],
+        x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), out.stride(0), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated, TOP_K=top_k, FUSE_SUM=fuse_sum,
+        EMULATE_RNE=emulate_rne(x), PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(pdl))
+    if top_k and not fuse_sum:
+        return scratch.view(-1, top_k, n).sum(dim=1)
     return out
 
 
-def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, GroupedTiles] = (DEFAULT_GROUPED,) * 2):
-    """The grouped path (module docstring); tiles: (gate/up's, down's), which must share block_m."""
+def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, GroupedTiles] = (DEFAULT_GROUPED,) * 2,
+                      fuse_sum: bool = True):
+    """The grouped path (module docstring); tiles: (gate/up's, down's), which must share block_m;
+    fuse_sum: the top-k sum in the down GEMM (else a torch sum after it)."""
     _check(x, w13, w2, weights, experts)
     gu, dn = tiles
     if gu.block_m != dn.block_m:
@@ -270,6 +311,5 @@ def fused_moe_grouped(x, w13, w2, weights, experts, tiles: tuple[GroupedTiles, G
     layout = align_by_expert(experts.contiguous(), w13.shape[0], gu.block_m)
     P = T * top_k
     hidden = grouped_gemm(x, w13, layout, P, top_k, gu, gated=True)
-    y = grouped_gemm(hidden, w2, layout, P, 1, dn, route_weights=weights.contiguous().view(-1))
-    return y.view(T, top_k, -1).sum(dim=1)
+    return grouped_gemm(hidden, w2, layout, P, 1, dn, route_weights=weights, fuse_sum=fuse_sum)
 

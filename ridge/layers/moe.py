@@ -78,7 +78,7 @@ class FusedMoE(nn.Module):
         path, tiles = self.plan.choice(x.shape[0])
         if path == "small":
             return fused_moe_small(x, w13, w2, weights, experts, tiles)
-        return fused_moe_grouped(x, w13, w2, weights, experts, tiles)
+        return fused_moe_grouped(x, w13, w2, weights, experts, tiles, fuse_sum=path == "grouped")
 
     def tokens_per_expert(self, num_tokens: int) -> list[int] | None:
         """The last step's pairs per expert, if its expert choice is kept and was for num_tokens."""
@@ -101,5 +101,7 @@ class FusedMoE(nn.Module):
         params = distinct * 3 * inter * H * w
         flops = 2 * pairs * 3 * inter * H + 5 * pairs * inter + 2 * pairs * H
         moved = params + 2 * T * H * a + 2 * pairs * inter * a       # x in, the output, h written and read
+        if self.plan is not None and self.plan.choice(T)[0] != "small":
+            moved += 2 * pairs * H * a      # the grouped down GEMM's weighted rows, written and summed
         load = (max(counts), pairs / E, counts.count(0)) if counts is not None else None
         return [route, OpCost("moe_experts", "gemm", flops, moved, params, compute=step.act.compute, expert_load=load)]

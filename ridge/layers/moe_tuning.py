@@ -8,8 +8,10 @@ padding and the tile height trade against each other. So for each expert shape t
 loading it times, at one representative token count per bucket (BUCKETS), every candidate on
 the same random operands (routing drawn uniformly, as a trained router spreads load on average),
 replayed from a CUDA graph as decode steps are: the small path's gate/up and down tiles
-separately, and the grouped path's per tile height (alignment included), and keeps the fastest
-path and tiles per bucket. A step of T tokens takes the choice of the first bucket >= T. Cached
+separately, and the grouped path's per tile height (alignment included) with its top-k sum in
+the down GEMM and after it (the fused sum saves a launch but puts its reads in the GEMM's
+epilogue, exposed: measured, it wins at tens of tokens and loses at thousands), and keeps the
+fastest path and tiles per bucket. A step of T tokens takes the choice of the first bucket >= T. Cached
 per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 dispatch.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 3), (16, 128, 4, 3), (1
 GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
     (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3))]
-VERSION = 3                # 3: the grouped path timed whole (with its top-k sum)
+GROUPED_PATHS = ("grouped", "grouped-torch-sum")   # the top-k sum in the down GEMM, or a torch sum after it
+VERSION = 4                # 4: the down GEMM fuses the top-k sum
 
 
 class MoePlan:
@@ -103,15 +106,15 @@ def measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> dict:
             cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm]
             layout = align_by_expert(experts, E, bm)
             gu = {c: _us(lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)) for c in cands}
-            dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights.view(-1)))
+            dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
                   for c in cands}
             tiles = (_best(gu), _best(dn))
-            # the whole path as the layer runs it (alignment, both GEMMs, the top-k sum), as the
-            # small path is timed whole
-            timings[f"grouped{bm}"] = dict(tiles=tiles, us=_us(lambda: fused_moe_grouped(x, w13, w2, weights, experts,
-                                                                                       tiles)))
+            for path in GROUPED_PATHS:         # the whole path as the layer runs it, as the small path is timed
+                run = lambda fuse=path == "grouped": fused_moe_grouped(x, w13, w2, weights, experts, tiles,  # noqa: E731
+                                                                       fuse_sum=fuse)
+                timings[f"{path}{bm}"] = dict(path=path, tiles=tiles, us=_us(run))
         best = min(timings, key=lambda k: timings[k]["us"])
-        table[str(T)] = {"path": "small" if best == "small" else "grouped", "tiles": [list(t) for t in timings[best]["tiles"]],
+        table[str(T)] = {"path": timings[best].get("path", "small"), "tiles": [list(t) for t in timings[best]["tiles"]],
                          "us": {k: v["us"] for k, v in timings.items()}}
     return table
 
