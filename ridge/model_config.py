@@ -6,6 +6,7 @@ routing is `ModelConfig.moe` (MoEConfig); everything else about it is the Llama 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,7 +20,10 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -35,9 +39,14 @@ class MoEConfig:
     renormalize: bool
     sparse_layers: tuple[int, ...]
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True    # Qwen2-MoE's sigmoid gate on the shared expert; DeepSeek has none
+    # DeepSeek's routing (ridge/kernels/moe_route.py: route_grouped_ref): None is plain softmax top-k
+    grouped: "GroupedRouting | None" = None
 
     @classmethod
     def from_dict(cls, arch: str, raw: dict) -> "MoEConfig":
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return cls.from_deepseek(arch, raw)
         num_experts = raw.get("num_experts") or raw.get("num_local_experts")
         top_k = raw.get("num_experts_per_tok")
         if not num_experts or not top_k or not 1 <= top_k <= num_experts:
@@ -54,7 +63,80 @@ class MoEConfig:
                    raw.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0)
 
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    @classmethod
+    def from_deepseek(cls, arch: str, raw: dict) -> "MoEConfig":
+        """DeepSeek-V2/V3: n_routed_experts of width moe_intermediate_size, n_shared_experts of the
+        same width run by every token (one MLP n_shared_experts times as wide, ungated), MoE from
+        layer first_k_dense_replace on. V2 scores by softmax, V3 by
+        sigmoid plus a learnt per-expert bias used only to choose; both may first keep the
+        topk_group best of n_group expert groups; the weights are scaled by routed_scaling_factor."""
+        for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if not raw.get(key):
+                raise ValueError(f"model: {arch} config.json needs {key!r} >= 1")
+        E, k = raw["n_routed_experts"], raw["num_experts_per_tok"]
+        v3 = arch == "DeepseekV3ForCausalLM"
+        grouped = v3 or raw.get("topk_method", "greedy") == "group_limited_greedy"
+        n_group, topk_group = (raw.get("n_group") or 1, raw.get("topk_group") or 1) if grouped else (1, 1)
+        if not 1 <= k <= E or E % n_group or not 1 <= topk_group <= n_group or k > topk_group * E // n_group:
+            raise ValueError(f"model: {arch} routing does not fit: {E} experts, top {k}, {n_group} groups of which "
+                             f"{topk_group} are kept")
+        routing = GroupedRouting("sigmoid" if v3 else "softmax", n_group, topk_group, "top2" if v3 else "max",
+                                 float(raw.get("routed_scaling_factor", 1.0)), v3)
+        first = raw.get("first_k_dense_replace", 0) or 0
+        size = raw["moe_intermediate_size"]       # V2's router never renormalises (as transformers runs it)
+        return cls(E, k, size, v3 and bool(raw.get("norm_topk_prob", False)),
+                   tuple(range(first, raw["num_hidden_layers"])), size * (raw.get("n_shared_experts") or 0),
+                   shared_expert_gated=False, grouped=routing)
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router: `scoring` softmax (V2) or sigmoid (V3, with a learnt `score_bias` that
+    only chooses); the tokens pick among the `topk_group` best of `n_group` expert groups (a
+    group's score: its best expert's, or its two best summed: `group_score` max / top2); the
+    chosen weights (renormalised if MoEConfig.renormalize) times `scale`."""
+    scoring: str
+    n_group: int
+    topk_group: int
+    group_score: str
+    scale: float
+    score_bias: bool
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's Multi-head Latent Attention: q from hidden (q_lora_rank None) or through a rank
+    q_lora_rank bottleneck; K and V of every head come up (kv_b_proj) from one kv_lora_rank latent
+    per token, plus one shared rotary key of qk_rope_head_dim. A query head is qk_nope_head_dim +
+    qk_rope_head_dim wide, a value head v_head_dim. The cache holds the latent and the rotary key.
+    `rope_interleaved`: the checkpoint's rotary dims are pairs (x0, x1), (x2, x3) (V2 always, V3's
+    rope_interleave); ridge de-interleaves those rows at load and rotates half-split."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool
+    softmax_scale: float
+
+    @classmethod
+    def from_dict(cls, arch: str, raw: dict, rope_scaling: dict | None) -> "MLAConfig":
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not raw.get(key):
+                raise ValueError(f"model: {arch} config.json needs {key!r} >= 1")
+        if raw["qk_rope_head_dim"] % 2:
+            raise ValueError(f"model: qk_rope_head_dim must be even, got {raw['qk_rope_head_dim']}")
+        scale = (raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]) ** -0.5
+        if rope_scaling and rope_scaling.get("mscale_all_dim"):     # YaRN's attention temperature, as HF applies it
+            factor = rope_scaling["factor"]
+            m = 0.1 * rope_scaling["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        interleaved = arch == "DeepseekV2ForCausalLM" or bool(raw.get("rope_interleave", True))
+        return cls(raw.get("q_lora_rank"), raw["kv_lora_rank"], raw["qk_nope_head_dim"], raw["qk_rope_head_dim"],
+                   raw["v_head_dim"], interleaved, scale)
+
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") + DEEPSEEK_ARCHITECTURES
 
 
 _DTYPES = {
@@ -102,6 +184,7 @@ class ModelConfig:
     # model loader from the `quantization` setting and quantization_config; None: float weights
     quant: object | None = None
     moe: MoEConfig | None = None              # routing, for a mixture-of-experts architecture
+    mla: MLAConfig | None = None              # DeepSeek's latent attention (head_dim: its rotary part)
 
     @property
     def q_size(self) -> int:
@@ -110,6 +193,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def cache_row(self) -> tuple[int, int, int]:
+        """(streams, heads, width) of a token's cached row in one layer: K and V per kv head, or
+        MLA's one latent + rotary key."""
+        if self.mla is not None:
+            return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -134,6 +225,8 @@ class ModelConfig:
                 raise ValueError(f"model: config.json is missing {key!r}")
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        if arch in DEEPSEEK_ARCHITECTURES:          # rotary width; every head reads the one latent
+            head_dim, raw = raw.get("qk_rope_head_dim") or head_dim, {**raw, "num_key_value_heads": num_heads}
         rope = dict(raw.get("rope_parameters") or {})
         if raw.get("rope_scaling"):
             rope.update(raw["rope_scaling"])
@@ -173,6 +266,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             quantization_config=raw.get("quantization_config"),
             moe=MoEConfig.from_dict(arch, raw) if arch in MOE_ARCHITECTURES else None,
+            mla=MLAConfig.from_dict(arch, raw, rope_scaling) if arch in DEEPSEEK_ARCHITECTURES else None,
         )
 
 

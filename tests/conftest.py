@@ -29,6 +29,15 @@ ARCH_OVERRIDES = {
     "qwen2moe-step2": {"decoder_sparse_step": 2},  # layer 0 dense, layer 1 sparse
     "qwen3moe": {"norm_topk_prob": True, "num_experts": 16, "num_experts_per_tok": 4},
     "qwen3moe-dense0": {"mlp_only_layers": [0]},
+    "deepseekv2": {},                             # V2-Lite's layout: q_proj, greedy softmax routing
+    "deepseekv2-grouped": {"q_lora_rank": 48, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                           "routed_scaling_factor": 1.5},
+    "deepseekv3": {},                             # sigmoid + score bias, groups by top-2 sums, interleaved rope
+    "deepseekv3-yarn": {"rope_interleave": False, "first_k_dense_replace": 0, "n_shared_experts": 2,
+                        "max_position_embeddings": 512,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 128, "beta_fast": 32,
+                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}},
 }
 
 

@@ -15,7 +15,8 @@ def hf_greedy(model, prompt, n):
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "llama-mqa", "mistral-sw",
-                                  "mixtral", "qwen2moe", "qwen2moe-step2", "qwen3moe", "qwen3moe-dense0"])
+                                  "mixtral", "qwen2moe", "qwen2moe-step2", "qwen3moe", "qwen3moe-dense0",
+                                  "deepseekv2", "deepseekv2-grouped", "deepseekv3", "deepseekv3-yarn"])
 def test_greedy_and_logits_match_transformers(checkpoints, name):
     path = checkpoints(name)
     llm = LLM(path, device="cpu", show_progress=False, max_model_len=256)

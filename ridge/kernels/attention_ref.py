@@ -73,14 +73,20 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # GQA: query head h reads kv head h // group.
         k = k.float().repeat_interleave(group, dim=1)          # [ctx, H, d]
         v = v.float().repeat_interleave(group, dim=1)
-        qi = q[q_lo:q_hi].float()                                # [q_len, H, d]
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale     # [H, q_len, ctx]
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-        k_pos = torch.arange(ctx_len, device=q.device)[None, :]
-        masked = k_pos > q_pos
-        if sliding_window is not None:
-            masked |= k_pos <= q_pos - sliding_window
-        scores.masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        out[q_lo:q_hi] = causal_attention_ref(q[q_lo:q_hi].float(), k, v, scale, sliding_window).to(q.dtype)
     return out
+
+
+def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """One sequence: q [q_len, H, d] the last q_len of its k [ctx, H, d], v [ctx, H, dv] positions,
+    masked softmax(q k^T * scale) v in q's dtype -> [q_len, H, dv]."""
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale     # [H, q_len, ctx]
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+    masked = k_pos > q_pos
+    if sliding_window is not None:
+        masked |= k_pos <= q_pos - sliding_window
+    scores.masked_fill_(masked, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

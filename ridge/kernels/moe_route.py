@@ -9,6 +9,10 @@ and k rounds of argmax-and-mask are a few hundred FLOPs, so what the kernel save
 torch spends a softmax, a topk and a division (three kernels and two [T, E] round trips) on it.
 Ties go to the lower expert index, as torch.topk's do.
 
+route_grouped_ref: DeepSeek's router (sigmoid or softmax scores, a score bias, group-limited
+choice, a scale), in torch ops on every device for now: a handful of small kernels a layer, no
+host sync, so a CUDA graph holds it.
+
 align_by_expert: the T * top_k pairs (pair p = token p // top_k, its (p % top_k)-th choice),
 sorted by expert - stable, so a token's pairs keep token order inside an expert - and each
 expert's run padded to a multiple of the GEMM tile height BLOCK_M. Every tile of the grouped
@@ -42,6 +46,33 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts.to(torch.int32)
+
+
+def route_grouped_ref(logits: torch.Tensor, top_k: int, renormalize: bool, routing,
+                      score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router (routing: ridge.model_config.GroupedRouting), in float32 as transformers
+    runs it: softmax (V2) or sigmoid (V3) scores; V3 adds score_bias to choose (not to weigh);
+    the experts of all but the topk_group best of n_group groups (a group's score: its best
+    expert's, or its two best summed) are out of the choice; the top_k scores, renormalised if
+    asked, times routing.scale. -> (weights [T, top_k] float32, experts [T, top_k] int32)."""
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if routing.n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, routing.n_group, E // routing.n_group)
+        group_scores = grouped.max(dim=-1).values if routing.group_score == "max" else \
+            grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(routing.topk_group, dim=-1).indices, 1)
+        outside = (kept == 0)[:, :, None].expand_as(grouped).reshape(T, E)
+        # V2 zeroes the scores outside the kept groups, V3 sets them to -inf: the same choice
+        # wherever the kept groups hold top_k positive scores (softmax/sigmoid scores are positive)
+        choice = choice.masked_fill(outside, 0.0 if routing.scoring == "softmax" else float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scale, experts.to(torch.int32)
 
 
 @triton.jit

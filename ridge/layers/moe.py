@@ -25,15 +25,17 @@ import torch
 from torch import nn
 
 from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
-from ridge.kernels.moe_route import route_topk, route_topk_ref
+from ridge.kernels.moe_route import route_grouped_ref, route_topk, route_topk_ref
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, expert_size: int, renormalize: bool):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, expert_size: int, renormalize: bool,
+                 grouped=None):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.grouped = grouped      # DeepSeek's routing (ridge.model_config.GroupedRouting), else softmax top-k
         self.hidden_size, self.expert_size = hidden_size, expert_size
         experts = range(num_experts)
         self.w13_weight = set_weight_loader(
@@ -66,15 +68,26 @@ class FusedMoE(nn.Module):
             w.normal_(0.0, std, generator=generator)
         self.finish_loading()
 
-    def forward(self, router_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, router_logits: torch.Tensor, x: torch.Tensor, score_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """router_logits [T, E], x [T, H] -> sum over each token's top_k experts of weight * expert(x)."""
         w13, w2 = self.w13_weight, self.w2_weight
+        if self.grouped is not None:
+            weights, experts = route_grouped_ref(router_logits, self.top_k, self.renormalize, self.grouped, score_bias)
+            self.routed = experts
+            if not x.is_cuda:
+                return fused_moe_ref(x, w13, w2, weights, experts)
+            return self._experts(x, weights, experts)
         if not x.is_cuda:
             weights, experts = route_topk_ref(router_logits, self.top_k, self.renormalize)
             self.routed = experts
             return fused_moe_ref(x, w13, w2, weights, experts)
         weights, experts = route_topk(router_logits, self.top_k, self.renormalize)
         self.routed = experts
+        return self._experts(x, weights, experts)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.w13_weight, self.w2_weight
         path, tiles = self.plan.choice(x.shape[0])
         if path == "small":
             return fused_moe_small(x, w13, w2, weights, experts, tiles)

@@ -32,7 +32,39 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         return torch.where(~(wavelen < high_wavelen) * ~(wavelen > low_wavelen), smoothed, scaled)
-    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        # YaRN (as transformers computes it): interpolate the low frequencies by 1/factor, keep the
+        # high ones, and ramp linearly between the dims that turn beta_fast and beta_slow times
+        # over the original context
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def dim_of(rotations: float) -> float:
+            return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_of(fast), dim_of(slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp
+        return inv_freq / factor * (1 - keep) + inv_freq * keep
+    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """YaRN's factor on cos/sin (transformers': mscale over mscale_all_dim, or 0.1 ln(factor) + 1)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,5 +74,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)

@@ -1,6 +1,7 @@
 """The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), and
 their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (`cfg.moe`: the sparse layers' MLP is
-ridge/models/moe.py's block), in one file: the differences are flags on ModelConfig, not copies of
+ridge/models/moe.py's block); DeepSeek-V2/V3 are the same decoder with latent attention (`cfg.mla`:
+ridge/models/mla.py) and DeepSeek's routing, in one file: the differences are flags on ModelConfig, not copies of
 the model. Module and parameter names follow the HF checkpoints except the merged projections
 (`qkv_proj`, `gate_up_proj`, and each layer's experts as two tensors): `checkpoint_slot` tells the
 loader which parameter and shard a checkpoint tensor goes to; the parameter's own weight_loader
@@ -26,6 +27,7 @@ from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.sampler import sampling_cost
 from ridge.layers.weights import set_weight_loader
+from ridge.models.mla import MLAttention
 from ridge.models.moe import SparseMoeBlock
 
 # checkpoint projection name -> (ridge merged module, shard)
@@ -34,6 +36,9 @@ CHECKPOINT_NAME_MAP = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
 # an expert's projection (HF's names and Mixtral's) -> (the experts' merged parameter, part)
 EXPERT_NAME_MAP = {"gate_proj": ("w13_weight", "gate"), "up_proj": ("w13_weight", "up"), "down_proj": ("w2_weight", ""),
                    "w1": ("w13_weight", "gate"), "w3": ("w13_weight", "up"), "w2": ("w2_weight", "")}
+
+# module names of other checkpoints -> ridge's (Mixtral's sparse block, DeepSeek's shared experts)
+RENAMED = {"block_sparse_moe": "mlp", "shared_experts": "shared_expert"}
 
 
 class LlamaAttention(nn.Module):
@@ -68,7 +73,7 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = MLAttention(cfg, rotary) if cfg.mla is not None else LlamaAttention(cfg, rotary, backend)
         self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -116,10 +121,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     checkpoint_name_map = CHECKPOINT_NAME_MAP
 
-    @staticmethod
-    def checkpoint_slot(name: str) -> tuple[str, str | None]:
-        """A checkpoint tensor's (ridge parameter name, shard id or None)."""
-        parts = ["mlp" if p == "block_sparse_moe" else p for p in name.split(".")]
+    def checkpoint_slot(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's (ridge parameter name, shard id or None). DeepSeek's attention
+        projections keep their own names (MLA merges none of them)."""
+        parts = [RENAMED.get(p, p) for p in name.split(".")]
+        if self.cfg.mla is not None and "self_attn" in parts:
+            return ".".join(parts), None
         if "experts" in parts:
             i = parts.index("experts")
             if len(parts) == i + 4 and parts[i + 1].isdigit() and parts[i + 2] in EXPERT_NAME_MAP:

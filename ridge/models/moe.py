@@ -1,13 +1,16 @@
-"""The sparse MLP block of Mixtral, Qwen2-MoE and Qwen3-MoE (one block for all three; the
-attention and the rest of the decoder are llama.py's). A router (`gate`, a Linear to one logit
-per expert) scores the experts; `experts` (ridge/layers/moe.py) routes each token to its top_k and
-sums their outputs. Qwen2-MoE adds a shared expert every token runs, scaled by
-sigmoid(shared_expert_gate(x)). Module names are the checkpoints' (Mixtral's `block_sparse_moe`
-and `w1`/`w3`/`w2` are mapped by llama.py's checkpoint_slot).
+"""The sparse MLP block of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3 (one block for all;
+the rest of the decoder is llama.py's). A router (`gate`, a Linear to one logit per expert)
+scores the experts; `experts` (ridge/layers/moe.py) routes each token to its top_k and sums their
+outputs. Qwen2-MoE adds a shared expert every token runs, scaled by
+sigmoid(shared_expert_gate(x)); DeepSeek's shared experts (one MLP) are ungated, and its router
+(float32 logits, group-limited choice, V3's score bias) is FusedMoE's `grouped` routing. Module
+names are the checkpoints' (Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`, DeepSeek's
+`shared_experts` are mapped by llama.py's checkpoint_slot).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ridge.model_config import ModelConfig
@@ -15,6 +18,7 @@ from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.moe import FusedMoE
+from ridge.layers.weights import set_weight_loader
 
 
 class SparseMoeBlock(nn.Module):
@@ -22,25 +26,37 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
-        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize)
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize,
+                                moe.grouped)
+        if moe.grouped is not None and moe.grouped.score_bias:     # V3: chooses experts, does not weigh them
+            self.gate.e_score_correction_bias = set_weight_loader(
+                nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size)
+        if moe.shared_expert_size and moe.shared_expert_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.grouped is None:
+            return self.gate(x)
+        return F.linear(x.float(), self.gate.weight.float())       # DeepSeek routes in float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(self.gate(x), x)
-        if self.shared_expert is not None:
+        out = self.experts(self.router_logits(x), x, getattr(self.gate, "e_score_correction_bias", None))
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("gate", self.gate.cost(step, name="moe_router")) + child("experts", self.experts.cost(step))
         if self.shared_expert is not None:
-            T, H = step.num_tokens, self.shared_expert_gate.in_features
-            mix = OpCost("shared_expert_mix", "elementwise", 4 * T * H, (3 * T * H + T) * step.act.bytes,
-                         compute=step.act.compute)
-            out += (child("shared_expert", self.shared_expert.cost(step))
-                    + child("shared_expert_gate", self.shared_expert_gate.cost(step, name="shared_expert_gate"))
-                    + [mix])
+            T, H, gated = step.num_tokens, self.gate.in_features, self.shared_expert_gate is not None
+            mix = OpCost("shared_expert_mix", "elementwise", (4 if gated else 1) * T * H,
+                         (3 * T * H + (T if gated else 0)) * step.act.bytes, compute=step.act.compute)
+            out += child("shared_expert", self.shared_expert.cost(step)) + [mix]
+            if gated:
+                out += child("shared_expert_gate", self.shared_expert_gate.cost(step, name="shared_expert_gate"))
         return out

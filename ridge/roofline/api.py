@@ -45,7 +45,8 @@ def build_llm(model: str | None, batches, context: int, prefill_len: int, prefil
     max_b = max(batches, default=0)
     pages = max(max_b * -(-context // bs) if batches else 0, prefill_batch * -(-prefill_len // bs),
                 -(-(need_len + 1) // bs)) + 1
-    page_bytes = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    streams, heads, width = cfg.cache_row
+    page_bytes = streams * cfg.num_layers * bs * heads * width * dtype.itemsize
     kv = kw.pop("kv_cache_memory", None) or pages * page_bytes
     kw.pop("enable_prefix_caching", None)
     kw.pop("model", None)

@@ -55,7 +55,12 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
-        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation)
+        if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
+            raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
+        # latent attention runs its torch reference on every device so far: the torch backend's
+        # host-side lengths keep it out of CUDA graphs
+        backend = "torch" if model_cfg.mla is not None else cfg.attention_backend
+        self.backend = select_backend(cfg.device, backend, model_cfg.head_dim, rotation)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
@@ -78,8 +83,9 @@ class ModelRunner:
         return out
 
     def kv_bytes_per_row(self) -> int:
-        """Bytes of one cached K or V row (a token's kv head): FP8 adds its scale byte."""
-        d = self.model_cfg.head_dim
+        """Bytes of one cached row (a token's K or V of one kv head, or its MLA latent row): FP8
+        adds its scale byte."""
+        d = self.model_cfg.cache_row[2]
         return d + 1 if self.cfg.fp8_kv_cache else d * self.cfg.dtype.itemsize
 
     def kv_element_bytes(self) -> float | None:
@@ -88,16 +94,19 @@ class ModelRunner:
 
     def kv_bytes_per_page(self) -> int:
         m = self.model_cfg
-        return 2 * m.num_layers * self.cfg.page_size * m.num_kv_heads * self.kv_bytes_per_row()
+        streams, heads, _ = m.cache_row
+        return streams * m.num_layers * self.cfg.page_size * heads * self.kv_bytes_per_row()
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """One pool for all layers: [layers, 2 (K, V), pages, page size, kv heads, head dim], in the
+        """One pool for all layers: [layers, streams, pages, page size, heads, width] - streams K
+        and V of kv heads x head dim, or MLA's one latent row (ModelConfig.cache_row) - in the
         model dtype or e4m3 with scale bytes [layers, 2, pages, page size, kv heads] beside it."""
         m = self.model_cfg
-        shape = (m.num_layers, 2, num_pages, self.cfg.page_size, m.num_kv_heads)
+        streams, heads, width = m.cache_row
+        shape = (m.num_layers, streams, num_pages, self.cfg.page_size, heads)
         dtype = KV_FP8 if self.cfg.fp8_kv_cache else self.cfg.dtype
-        self.kv_cache = torch.empty(*shape, m.head_dim, dtype=dtype, device=self.device)
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(m.num_layers)]
+        self.kv_cache = torch.empty(*shape, width, dtype=dtype, device=self.device)
+        self.layer_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(m.num_layers)]
         if self.cfg.fp8_kv_cache:
             self.kv_scales = torch.ones(shape, dtype=KV_SCALE_DTYPE, device=self.device)
             self.layer_caches = [(*c, self.kv_scales[i, 0], self.kv_scales[i, 1]) for i, c in enumerate(self.layer_caches)]

@@ -31,6 +31,14 @@ PRESETS = {
                           num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                           rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True),
+    # DeepSeek-V2-Lite's shape (with --arch deepseekv2): 15.7 B parameters, 2.4 B active
+    "deepseek-v2-lite": dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+                             vocab_size=102400, max_position_embeddings=163840, q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                             num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+                             first_k_dense_replace=1, rope_parameters=dict(
+                                 rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                                 beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707)),
     "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
                          num_local_experts=8, num_experts_per_tok=2),
@@ -44,12 +52,19 @@ ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseekv2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseekv3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+_DEEPSEEK = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
 # experts of the small presets, per MoE architecture (a preset's own values win)
 MOE_DEFAULTS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "qwen2moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96),
     "qwen3moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # V2-Lite's layout (no q bottleneck, greedy routing); V3's (q bottleneck, 4 groups, 2 kept)
+    "deepseekv2": dict(_DEEPSEEK, q_lora_rank=None),
+    "deepseekv3": dict(_DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2),
 }
 
 CHAT_TEMPLATE = (
@@ -91,6 +106,8 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
     kwargs.update(bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if arch in ("qwen3", "qwen3moe"):
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if arch.startswith("deepseek"):         # every head reads the one latent: no kv-head groups
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)
     os.makedirs(out_dir, exist_ok=True)
@@ -108,10 +125,11 @@ def make_random_checkpoint(out_dir: str, arch: str = "llama", preset: str = "tin
             model = getattr(transformers, model_name)(config)
     finally:
         torch.set_default_dtype(default)
-    if arch in ("qwen2", "qwen2moe"):
-        # transformers initialises biases to zero; random ones make the bias path matter in tests
+    if arch in ("qwen2", "qwen2moe", "deepseekv3"):
+        # transformers initialises biases (and V3's expert score bias) to zero; random ones make the
+        # bias path matter in tests
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith("bias"):
                     p.normal_(0, 0.02)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -1,0 +1,111 @@
+"""Multi-head Latent Attention decode (issue 19): ridge's absorbed Triton kernel over a paged
+latent cache at the DeepSeek-V2-Lite (16 heads) and V3 (128 heads) shapes (kv_lora_rank 512,
+rope 64), batch 1..128 x context 4k..32k; JSON to --json, a table last.
+
+Per case: the kernel alone (split-KV + merge, CUDA-graph replay; each tile set of TILES, the
+fastest reported) and the whole absorbed attention (q absorption and output up-projection by
+batched GEMMs around it); achieved bandwidth of the latent bytes read ((r + rope) x 2 bytes a
+cached token, once for all heads) over the measured copy bandwidth; TFLOP/s (2 (r + rope) + 2 r
+a head a key) over the measured bf16 matrix roof. Peer, same run: PyTorch SDPA over the same
+latents laid out contiguously (no pages; q [B, H, 1, r + rope], K [B, 1, L, r + rope] and V
+[B, 1, L, r] with enable_gqa) - what a user gets from torch for the absorbed form.
+
+    python benchmarks/mla.py --json mla_decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from timing import time_calls, try_time  # noqa: E402
+
+from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
+
+SHAPES = {"deepseek-v2-lite": dict(H=16, nope=128, v=128), "deepseek-v3": dict(H=128, nope=128, v=128)}
+R, ROPE, PAGE = 512, 64, 16
+TILES = {"deepseek-v2-lite": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 3)],
+         "deepseek-v3": [(16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3)]}
+
+
+def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dict:
+    from ridge.kernels.attention_meta import AttentionMetadata
+    from ridge.kernels.mla_attention import MLADecodeTiles, absorb_query, mla_decode_attention, unabsorb_output
+
+    H, pages_each = s["H"], -(-L // PAGE)
+    cache = torch.randn(B * pages_each, PAGE, 1, R + ROPE, device="cuda", generator=gen).bfloat16()
+    tables = torch.randperm(B * pages_each, device="cuda", generator=gen).view(B, pages_each).int()
+    starts = list(range(B + 1))
+    meta = AttentionMetadata(torch.zeros(B, dtype=torch.int64, device="cuda"),
+                             torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                             torch.full((B,), L, dtype=torch.int32, device="cuda"), tables, starts, [L] * B, 1, L)
+    q_nope = torch.randn(B, H, s["nope"], device="cuda", generator=gen).bfloat16()
+    q_pe = torch.randn(B, H, ROPE, device="cuda", generator=gen).bfloat16()
+    kv_b = (torch.randn(H * (s["nope"] + s["v"]), R, device="cuda", generator=gen) * R ** -0.5).bfloat16()
+    q_lat = absorb_query(q_nope, kv_b, s["v"]).contiguous()
+    scale = (s["nope"] + ROPE) ** -0.5
+    latent_bytes = B * L * (R + ROPE) * 2
+    flops = B * H * L * (2 * (R + ROPE) + 2 * R)
+    tiles = {}
+    for t in TILES[name]:
+        tm = try_time(f"tiles {t}", lambda t=t: time_calls([lambda: mla_decode_attention(
+            q_lat, q_pe, cache, meta, scale, tiles=MLADecodeTiles(*t))] * 5, reps=15))
+        if tm is not None:
+            tiles[t] = tm.median_us
+    best = min(tiles, key=tiles.get)
+    whole = time_calls([lambda: unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b, s["v"]), q_pe, cache,
+                                                                     meta, scale, tiles=MLADecodeTiles(*best)),
+                                                kv_b, s["nope"])] * 5, reps=15).median_us
+    # the peer: SDPA over the same latents, contiguous
+    lat = cache[tables.long()].view(B, 1, pages_each * PAGE, R + ROPE)[:, :, :L]
+    q_full = torch.cat((q_lat, q_pe), dim=-1)[:, :, None]
+    sdpa = try_time("sdpa", lambda: time_calls([lambda: F.scaled_dot_product_attention(
+        q_full, lat, lat[..., :R], scale=scale, enable_gqa=True)] * 5, reps=15))
+    us = tiles[best]
+    row = dict(shape=name, batch=B, context=L, heads=H, kernel_us=us, tiles=list(best),
+               tiles_us={str(k): v for k, v in tiles.items()}, attention_us=whole,
+               latent_gb_per_s=latent_bytes / us / 1e3, fraction_of_copy=latent_bytes / us / 1e-6 / bw,
+               tflops=flops / us / 1e6, fraction_of_roof=flops / us / 1e-6 / roof,
+               sdpa_us=sdpa.median_us if sdpa else None, vs_sdpa=sdpa.median_us / us if sdpa else None)
+    print(f"  {name} B={B} L={L}: {us:.1f} us {tuple(best)}, {row['latent_gb_per_s']:.0f} GB/s = "
+          f"{row['fraction_of_copy']:.1%} of copy, {row['tflops']:.0f} TFLOP/s; whole {whole:.1f} us; "
+          f"sdpa {row['sdpa_us'] or float('nan'):.1f} us", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/mla.py needs a CUDA GPU (the kernel's CPU check: tests/test_mla.py, TRITON_INTERPRET=1)")
+    from ridge.utils.ceilings import load_ceilings
+    ceil = load_ceilings("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows = []
+    for n in a.shapes:
+        for B in a.batches:
+            for L in a.contexts:
+                rows.append(case(n, SHAPES[n], B, L, gen, ceil.bandwidth, ceil.peak("bf16")))
+                torch.cuda.empty_cache()
+    r = dict(device=device_name(torch.device("cuda")), bandwidth=ceil.bandwidth, bf16_roof=ceil.peak("bf16"), rows=rows)
+    if a.json:
+        write_json(a.json, r)
+    print(format_table(["shape", "B", "L", "us", "GB/s", "of copy", "TFLOP/s", "of roof", "whole us", "vs SDPA"],
+                       [[x["shape"], x["batch"], x["context"], f"{x['kernel_us']:.1f}", f"{x['latent_gb_per_s']:.0f}",
+                         f"{x['fraction_of_copy']:.1%}", f"{x['tflops']:.0f}", f"{x['fraction_of_roof']:.1%}",
+                         f"{x['attention_us']:.1f}", f"{x['vs_sdpa']:.2f}x" if x["vs_sdpa"] else "n/a"] for x in rows],
+                       title=f"MLA decode attention, bf16, {r['device']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Multi-head Latent Attention's attention step (DeepSeek-V2/V3): rotate the query's and the
+shared key's rotary parts, write each new token's [latent, k_pe] row into the paged latent cache,
+attend over each sequence's cached rows.
+
+Why the latent cache: a GQA cache holds 2 x kv_heads x head_dim values a token a layer (8B Llama:
+2048); MLA holds kv_lora_rank + rope_dim (DeepSeek-V2-Lite and V3: 512 + 64 = 576) for all heads,
+so decode, bound by cache bytes at long contexts, reads 3.6x to 14x fewer bytes, and the pool holds
+that many more tokens. The per-head K and V are never stored: head h's K_nope and V are the
+latent times its slices of W_kv_b. The attention itself is ridge/kernels/mla_attention.py's: on
+CUDA a decode-only step runs the absorbed Triton kernel; prefill (and every CPU step) the
+reference that expands the latents.
+
+Cost (what the absorbed decode form moves and computes, the design the kernels follow): each
+cached row is read once for all heads (r + rope values); the up-projections fold into the query
+(q_nope W_UK^T: 2 H nope r FLOPs a token) and the output (2 H r v), and each (query row, key)
+pair costs 2 (r + rope) + 2 r FLOPs a head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output,
+                                         write_latent_ref)
+from ridge.kernels.rotary import apply_rotary_ref
+from ridge.layers.attention import attention_keys_read, attention_pairs
+from ridge.layers.cost import OpCost, StepShape
+from ridge.layers.rotary import RotaryEmbedding
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, scale: float,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = \
+            num_heads, kv_lora_rank, nope_dim, rope_dim, v_dim
+        self.scale, self.rotary = scale, rotary
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                kv_b_weight: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, nope + rope], latent [T, r] (normalised), k_pe [T, rope], not yet rotated;
+        kv_b_weight [H (nope + v), r]; kv_cache (latent cache,) -> [T, H, v]."""
+        (cache,) = kv_cache
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
+        write_latent_ref(latent, k_pe[:, 0], cache, meta.slot_mapping)
+        if q.is_cuda and meta.is_decode_only:      # the absorbed form over the latents themselves
+            o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight, self.v_dim), q_pe, cache, meta, self.scale)
+            return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
+        return mla_attention_ref(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale,
+                                 self.nope_dim, self.v_dim)
+
+    def cost(self, step: StepShape, kv_b_bytes: int = 0) -> list[OpCost]:
+        """kv_b_bytes: the up-projection's weight, read once a step (folded into q and the output)."""
+        H, r, rope, nope, v = self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim
+        T, a, c, lens = step.num_tokens, step.act.bytes, step.kv_elt, list(zip(step.query_lens, step.context_lens))
+        row = (r + rope) * c
+        written, read = T * row, sum(attention_keys_read(ql, cl) for ql, cl in lens) * row
+        pairs = sum(attention_pairs(ql, cl) for ql, cl in lens)
+        absorb = 2 * T * H * (nope * r + r * v)
+        return [OpCost("rope_latent_write", "elementwise", 3 * T * (H + 1) * rope,
+                       T * (2 * H * rope + rope + r) * a + written, kv_bytes=written, compute=step.act.compute),
+                OpCost("attention", "attention", absorb + H * pairs * (4 * r + 2 * rope),
+                       T * H * (nope + rope + v) * a + read + kv_b_bytes, kv_b_bytes, kv_bytes=read,
+                       compute=step.act.compute)]

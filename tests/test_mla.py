@@ -1,0 +1,139 @@
+"""DeepSeek-V2/V3 on the CPU: the latent cache's size, the engine's paging features over it,
+DeepSeek's routing, and clear errors. HF parity of the models is in test_hf_parity.py."""
+import json
+import shutil
+
+import pytest
+import torch
+import triton
+
+from ridge import LLM, SamplingParams
+from ridge.kernels.moe_route import route_grouped_ref
+from ridge.layers.cost import StepShape
+from ridge.layers.mla import LatentAttention
+from ridge.layers.rotary import RotaryEmbedding
+from ridge.model_config import GroupedRouting, ModelConfig
+from ridge.utils.random_checkpoint import PRESETS
+from conftest import prompt_of
+from test_batching import assert_pool_free
+
+interpret = pytest.mark.skipif(not triton.knobs.runtime.interpret,
+                               reason="Triton kernels on a CPU need TRITON_INTERPRET=1")
+
+
+def _llm(checkpoints, name="deepseekv3", **kw):
+    return LLM(checkpoints(name), device="cpu", show_progress=False, max_model_len=512, **kw)
+
+
+def test_latent_cache_holds_one_row_a_token_a_layer(checkpoints):
+    llm = _llm(checkpoints, "deepseekv2")
+    runner, cfg = llm.engine.runner, llm.engine.runner.model_cfg
+    r, rope = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    assert runner.kv_cache.shape[1:] == (1, runner.kv_cache.shape[2], llm.engine.cfg.page_size, 1, r + rope)
+    assert runner.kv_bytes_per_page() == cfg.num_layers * llm.engine.cfg.page_size * (r + rope) * 4
+    # DeepSeek-V2-Lite's shape: 576 values a token a layer against 16 heads x (192 + 128) for
+    # the same attention cached as per-head K and V
+    lite = ModelConfig.from_dict({**PRESETS["deepseek-v2-lite"], "architectures": ["DeepseekV2ForCausalLM"],
+                                  "rope_scaling": None})
+    assert lite.cache_row == (1, 1, 576)
+    assert 16 * (192 + 128) / 576 == pytest.approx(8.9, abs=0.05)
+
+
+@pytest.mark.parametrize("name", ["deepseekv2", "deepseekv3"])
+def test_preemption_chunking_and_prefix_caching_over_the_latent_cache(checkpoints, name):
+    shared = prompt_of(40, salt=7)
+    prompts = [shared + prompt_of(5 + i, salt=i) for i in range(4)] + \
+              [prompt_of(30 + (i * 37) % 70, salt=10 + i) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True) for i in range(12)]
+    ample = _llm(checkpoints, name, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    page_bytes = ample.engine.runner.kv_bytes_per_page()
+    tight = _llm(checkpoints, name, kv_cache_memory=20 * page_bytes, max_num_batched_tokens=32,
+                 enable_prefix_caching=True)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert_pool_free(tight)
+    cached = _llm(checkpoints, name, enable_prefix_caching=True)
+    for p, w in zip(prompts[:4], want[:4]):         # one at a time: each after the first hits the shared prefix
+        assert cached.generate([p], params[0], use_tqdm=False)[0].outputs[0].token_ids == w[:params[0].max_tokens]
+
+
+def test_grouped_routing_keeps_to_the_best_groups():
+    logits = torch.tensor([[5.0, 0, 0, 0, 0, 0, 4.5, 4.4],    # groups of 2: best are 0 (5.0) and 3 (4.5 / 4.4)
+                           [0, 0, 3.0, 2.9, 0, 0, 0, 1.0]])
+    v2 = GroupedRouting("softmax", n_group=4, topk_group=2, group_score="max", scale=2.0, score_bias=False)
+    w, e = route_grouped_ref(logits, 2, False, v2)
+    assert [sorted(r) for r in e.tolist()] == [[0, 6], [2, 3]]
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(w, probs.gather(1, e.long()) * 2.0)
+    # V3: sigmoid scores; the bias moves the choice but not the weights; groups by their top-2 sum
+    v3 = GroupedRouting("sigmoid", n_group=4, topk_group=1, group_score="top2", scale=1.0, score_bias=True)
+    bias = torch.tensor([0, 0, 0, 0, 0, 0, 0, 10.0])
+    w, e = route_grouped_ref(logits, 2, True, v3, bias)
+    assert [sorted(r) for r in e.tolist()] == [[6, 7], [6, 7]]
+    s = logits.sigmoid().gather(1, e.long())
+    torch.testing.assert_close(w, s / s.sum(-1, keepdim=True))
+
+
+def test_latent_attention_cost_reads_each_row_once_for_all_heads():
+    rotary = RotaryEmbedding(8, 64, 10000.0, None)
+    attn = LatentAttention(num_heads=16, kv_lora_rank=32, nope_dim=16, rope_dim=8, v_dim=16, scale=0.2, rotary=rotary)
+    step = StepShape((1, 1), (100, 300), dtype=torch.bfloat16)
+    write, att = attn.cost(step, kv_b_bytes=1000)
+    assert att.kv_bytes == (100 + 300) * (32 + 8) * 2            # not x 16 heads
+    assert att.param_bytes == 1000
+    assert att.flops == 2 * 2 * 16 * (16 * 32 + 32 * 16) + 16 * 400 * (4 * 32 + 2 * 8)
+    assert write.kv_bytes == 2 * (32 + 8) * 2
+
+
+def test_deepseek_errors_are_clear(checkpoints, tmp_path):
+    src = checkpoints("deepseekv3")
+    with pytest.raises(ValueError, match="latent attention"):
+        LLM(src, device="cpu", show_progress=False, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(src, device="cpu", show_progress=False, quantization="int4")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    for key, value, match in (("kv_lora_rank", None, "kv_lora_rank"), ("qk_rope_head_dim", 7, "even"),
+                              ("topk_group", 5, "routing does not fit")):
+        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ValueError, match=match):
+            LLM(str(bad), device="cpu", show_progress=False)
+
+
+def _decode_batch(ctx_lens, H, r, rope, nope, v, dtype, page=16, seed=0):
+    from ridge.kernels.attention_meta import AttentionMetadata
+    g = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // page) for n in ctx_lens]
+    perm = torch.randperm(sum(pages_each) + 3, generator=g)
+    tables = torch.zeros(len(ctx_lens), max(pages_each), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_each):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    cache = torch.randn(len(perm), page, 1, r + rope, generator=g).to(dtype)
+    B = len(ctx_lens)
+    starts = list(range(B + 1))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(B, dtype=torch.int64),
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                             seq_lens=torch.tensor(ctx_lens, dtype=torch.int32), page_tables=tables,
+                             query_start_loc_cpu=starts, seq_lens_cpu=list(ctx_lens), max_query_len=1,
+                             max_seq_len=max(ctx_lens))
+    q = torch.randn(B, H, nope + rope, generator=g).to(dtype)
+    kv_b = (torch.randn(H * (nope + v), r, generator=g) * r ** -0.5).to(dtype)
+    return q, cache, kv_b, meta
+
+
+@interpret
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("H", [4, 20])          # fewer heads than BLOCK_H; more than one head block
+def test_absorbed_decode_matches_the_expanded_reference(H, splits):
+    from ridge.kernels.mla_attention import absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output
+    r, rope, nope, v = 32, 8, 16, 24
+    q, cache, kv_b, meta = _decode_batch([1, 17, 70, 33], H, r, rope, nope, v, torch.float32)
+    ref = mla_attention_ref(q, cache, kv_b, meta, 0.3, nope, v)
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    o_lat = mla_decode_attention(absorb_query(q_nope, kv_b, v), q_pe, cache, meta, 0.3, num_splits=splits)
+    torch.testing.assert_close(unabsorb_output(o_lat, kv_b, nope), ref, atol=2e-5, rtol=2e-5)
