@@ -9,6 +9,7 @@ import triton
 
 from ridge import LLM, SamplingParams
 from ridge.kernels.moe_route import route_grouped_ref
+from ridge.layers.attention import TORCH_BACKEND
 from ridge.layers.cost import StepShape
 from ridge.layers.mla import LatentAttention
 from ridge.layers.rotary import RotaryEmbedding
@@ -78,7 +79,8 @@ def test_grouped_routing_keeps_to_the_best_groups():
 
 def test_latent_attention_cost_reads_each_row_once_for_all_heads():
     rotary = RotaryEmbedding(8, 64, 10000.0, None)
-    attn = LatentAttention(num_heads=16, kv_lora_rank=32, nope_dim=16, rope_dim=8, v_dim=16, scale=0.2, rotary=rotary)
+    attn = LatentAttention(num_heads=16, kv_lora_rank=32, nope_dim=16, rope_dim=8, v_dim=16, scale=0.2, rotary=rotary,
+                           backend=TORCH_BACKEND)
     step = StepShape((1, 1), (100, 300), dtype=torch.bfloat16)
     write, att = attn.cost(step, kv_b_bytes=1000)
     assert att.kv_bytes == (100 + 300) * (32 + 8) * 2            # not x 16 heads
@@ -137,3 +139,30 @@ def test_absorbed_decode_matches_the_expanded_reference(H, splits):
     q_nope, q_pe = q.split([nope, rope], dim=-1)
     o_lat = mla_decode_attention(absorb_query(q_nope, kv_b, v), q_pe, cache, meta, 0.3, num_splits=splits)
     torch.testing.assert_close(unabsorb_output(o_lat, kv_b, nope), ref, atol=2e-5, rtol=2e-5)
+
+
+@interpret
+def test_latent_write_kernel_skips_padding_slots():
+    from ridge.kernels.mla_attention import write_latent, write_latent_ref
+    g = torch.Generator().manual_seed(1)
+    latent, k_pe = torch.randn(6, 32, generator=g), torch.randn(6, 8, generator=g)
+    slots = torch.tensor([5, -1, 17, 40, -1, 0])
+    a, b = (torch.randn(4, 16, 1, 40, generator=torch.Generator().manual_seed(2)) for _ in range(2))
+    write_latent_ref(latent, k_pe, a, slots)
+    write_latent(latent, k_pe, b, slots)
+    assert torch.equal(a, b)
+    assert torch.equal(a.view(-1, 40)[17], torch.cat((latent[2], k_pe[2])))
+
+
+@interpret
+def test_static_decode_path_with_the_kernels_matches_the_reference(checkpoints):
+    """The Triton backend's padded static decode path (what a CUDA graph replays) over the latent
+    cache: the latent write and the absorbed decode kernel give the reference engine's tokens."""
+    prompts = [prompt_of(n, salt=i) for i, n in enumerate((3, 21, 40))]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(checkpoints, "deepseekv2").generate(prompts, greedy, use_tqdm=False)]
+    llm = _llm(checkpoints, "deepseekv2", attention_backend="triton")
+    assert llm.engine.runner.decode_graphs is not None          # the static path is in use
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    assert_pool_free(llm)

@@ -26,9 +26,40 @@ from ridge.kernels.prefill_attention import _LOG2E
 
 
 def write_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' [latent, k_pe] rows ([T, r], [T, rope]) into their cache slots."""
-    rows = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows)
+    """Scatter the new tokens' [latent, k_pe] rows ([T, r], [T, rope]) into their cache slots
+    (a negative slot: a padding row, not written)."""
+    keep = slot_mapping >= 0
+    rows = torch.cat((latent, k_pe), dim=-1)[keep].to(cache.dtype)
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping[keep], rows)
+
+
+@triton.jit
+def _write_latent_kernel(Latent, KPe, Cache, Slots, stride_lt, stride_pt, stride_cb, stride_ct, R: tl.constexpr,
+                         ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, PAGE: tl.constexpr,
+                         PDL: tl.constexpr):
+    t = tl.program_id(0)
+    pdl_wait(PDL)
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        row = Cache + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
+        offs_r, offs_p = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_ROPE)
+        c = tl.load(Latent + t.to(tl.int64) * stride_lt + offs_r, mask=offs_r < R)
+        tl.store(row + offs_r, c.to(Cache.dtype.element_ty), mask=offs_r < R)
+        k = tl.load(KPe + t.to(tl.int64) * stride_pt + offs_p, mask=offs_p < ROPE)
+        tl.store(row + R + offs_p, k.to(Cache.dtype.element_ty), mask=offs_p < ROPE)
+
+
+def write_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_latent_ref in one launch, with no host-side look at the slots (a CUDA graph holds it)."""
+    T, R = latent.shape
+    rope = k_pe.shape[-1]
+    if T == 0:
+        return
+    pdl = use_pdl(latent)
+    _write_latent_kernel[(T,)](latent, k_pe, cache, slot_mapping, latent.stride(0), k_pe.stride(0), cache.stride(0),
+                               cache.stride(1), R=R, ROPE=rope, BLOCK_R=triton.next_power_of_2(R),
+                               BLOCK_ROPE=triton.next_power_of_2(rope), PAGE=cache.shape[1], PDL=pdl, num_warps=4,
+                               **launch_options(pdl))
 
 
 def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, kv_b_weight: torch.Tensor, meta: AttentionMetadata,

@@ -40,13 +40,18 @@ TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref,
 
 
 def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128,
-                   kv_rotation: torch.Tensor | None = None) -> AttentionBackend:
-    triton_ok = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0   # tiled as one power-of-two block
+                   kv_rotation: torch.Tensor | None = None, latent_rank: int | None = None) -> AttentionBackend:
+    """latent_rank: an MLA model's kv_lora_rank (its kernels tile the latent, any rotary width)."""
+    if latent_rank is not None:
+        triton_ok = latent_rank & (latent_rank - 1) == 0
+        need = f"a power-of-two kv_lora_rank, this model has {latent_rank}"
+    else:                                                    # tiled as one power-of-two block
+        triton_ok, need = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0, \
+            f"a power-of-two head_dim in [16, 256], this model has {head_dim}"
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_ok)):
         return TORCH_BACKEND if kv_rotation is None else replace(TORCH_BACKEND, kv_rotation=kv_rotation)
     if not triton_ok:
-        raise ValueError(f"attention_backend: the triton kernels need a power-of-two head_dim in [16, 256], "
-                         f"this model has {head_dim}")
+        raise ValueError(f"attention_backend: the triton kernels need {need}")
     if name in ("auto", "triton"):
         return AttentionBackend("triton", rope_write_kv, triton_paged_attention, kv_rotation)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")

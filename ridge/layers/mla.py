@@ -7,8 +7,8 @@ Why the latent cache: a GQA cache holds 2 x kv_heads x head_dim values a token a
 so decode, bound by cache bytes at long contexts, reads 3.6x to 14x fewer bytes, and the pool holds
 that many more tokens. The per-head K and V are never stored: head h's K_nope and V are the
 latent times its slices of W_kv_b. The attention itself is ridge/kernels/mla_attention.py's: on
-CUDA a decode-only step runs the absorbed Triton kernel; prefill (and every CPU step) the
-reference that expands the latents.
+the Triton backend a decode-only step runs the absorbed kernel (its cache write, too, so a CUDA
+graph holds the step); prefill (and the torch backend) the reference that expands the latents.
 
 Cost (what the absorbed decode form moves and computes, the design the kernels follow): each
 cached row is read once for all heads (r + rope values); the up-projections fold into the query
@@ -22,20 +22,23 @@ from torch import nn
 
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output,
-                                         write_latent_ref)
+                                         write_latent, write_latent_ref)
 from ridge.kernels.rotary import apply_rotary_ref
-from ridge.layers.attention import attention_keys_read, attention_pairs
+from ridge.layers.attention import AttentionBackend, attention_keys_read, attention_pairs
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.rotary import RotaryEmbedding
 
 
 class LatentAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, scale: float,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = \
             num_heads, kv_lora_rank, nope_dim, rope_dim, v_dim
         self.scale, self.rotary = scale, rotary
+        # the Triton backend (CUDA, or the interpreter's static decode path): the cache write and
+        # decode-only steps run the kernels; the torch backend runs the references throughout
+        self.kernels = backend.name == "triton"
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_weight: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
@@ -44,8 +47,8 @@ class LatentAttention(nn.Module):
         (cache,) = kv_cache
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
-        write_latent_ref(latent, k_pe[:, 0], cache, meta.slot_mapping)
-        if q.is_cuda and meta.is_decode_only:      # the absorbed form over the latents themselves
+        (write_latent if self.kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
+        if self.kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight, self.v_dim), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
         return mla_attention_ref(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale,

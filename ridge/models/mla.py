@@ -18,6 +18,7 @@ from torch import nn
 
 from ridge.model_config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.layers.attention import AttentionBackend
 from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
 from ridge.layers.mla import LatentAttention
@@ -31,7 +32,7 @@ def deinterleave(rows: int) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         m, H = cfg.mla, cfg.num_heads
         self.cfg, self.mla = cfg, m
@@ -47,7 +48,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = Linear(H * m.v_head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = LatentAttention(H, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
-                                    m.softmax_scale, rotary)
+                                    m.softmax_scale, rotary, backend)
 
     def finish_loading(self) -> None:
         """Interleaved rotary rows -> half-split (module docstring)."""

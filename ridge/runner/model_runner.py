@@ -57,10 +57,8 @@ class ModelRunner:
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
         if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
             raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
-        # latent attention runs its torch reference on every device so far: the torch backend's
-        # host-side lengths keep it out of CUDA graphs
-        backend = "torch" if model_cfg.mla is not None else cfg.attention_backend
-        self.backend = select_backend(cfg.device, backend, model_cfg.head_dim, rotation)
+        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation,
+                                      model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
