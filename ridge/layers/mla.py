@@ -7,8 +7,9 @@ Why the latent cache: a GQA cache holds 2 x kv_heads x head_dim values a token a
 so decode, bound by cache bytes at long contexts, reads 3.6x to 14x fewer bytes, and the pool holds
 that many more tokens. The per-head K and V are never stored: head h's K_nope and V are the
 latent times its slices of W_kv_b. The attention itself is ridge/kernels/mla_attention.py's: on
-the Triton backend a decode-only step runs the absorbed kernel (its cache write, too, so a CUDA
-graph holds the step); prefill (and the torch backend) the reference that expands the latents.
+CUDA (and under the Triton backend) a decode-only step runs the absorbed kernel and the cache
+write its own kernel, with no host-side look at the batch, so the padded static decode path
+holds the step; prefill (and a CPU's torch backend) runs the reference that expands the latents.
 
 Cost (what the absorbed decode form moves and computes, the design the kernels follow): each
 cached row is read once for all heads (r + rope values); the up-projections fold into the query
@@ -36,8 +37,8 @@ class LatentAttention(nn.Module):
         self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = \
             num_heads, kv_lora_rank, nope_dim, rope_dim, v_dim
         self.scale, self.rotary = scale, rotary
-        # the Triton backend (CUDA, or the interpreter's static decode path): the cache write and
-        # decode-only steps run the kernels; the torch backend runs the references throughout
+        # the Triton backend (the interpreter's static decode path on a CPU) or CUDA: the cache
+        # write and decode-only steps run the kernels; the torch backend on a CPU, the references
         self.kernels = backend.name == "triton"
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
@@ -47,8 +48,9 @@ class LatentAttention(nn.Module):
         (cache,) = kv_cache
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
-        (write_latent if self.kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
-        if self.kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
+        kernels = self.kernels or q.is_cuda
+        (write_latent if kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
+        if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight, self.v_dim), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
         return mla_attention_ref(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale,

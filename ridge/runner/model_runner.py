@@ -57,7 +57,11 @@ class ModelRunner:
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
         if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
             raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
-        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation,
+        # DeepSeek (MLA) takes the Triton backend - its padded static decode path and CUDA graphs -
+        # only when asked: that path is checked in the interpreter, not yet on a GPU, where "auto"
+        # keeps MLA eager (its kernels still run: ridge/layers/mla.py)
+        name = "torch" if model_cfg.mla is not None and cfg.attention_backend == "auto" else cfg.attention_backend
+        self.backend = select_backend(cfg.device, name, model_cfg.head_dim, rotation,
                                       model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
