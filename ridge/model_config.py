@@ -75,6 +75,9 @@ class MoEConfig:
                 raise ValueError(f"model: {arch} config.json needs {key!r} >= 1")
         E, k = raw["n_routed_experts"], raw["num_experts_per_tok"]
         v3 = arch == "DeepseekV3ForCausalLM"
+        if v3:          # transformers' DeepseekV3Config defaults, for keys a config.json leaves out
+            raw = {"norm_topk_prob": True, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                   "routed_scaling_factor": 2.5, **{k: v for k, v in raw.items() if v is not None}}
         grouped = v3 or raw.get("topk_method", "greedy") == "group_limited_greedy"
         n_group, topk_group = (raw.get("n_group") or 1, raw.get("topk_group") or 1) if grouped else (1, 1)
         if not 1 <= k <= E or E % n_group or not 1 <= topk_group <= n_group or k > topk_group * E // n_group:
@@ -233,6 +236,11 @@ class ModelConfig:
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_type == "yarn":
+            if not rope.get("original_max_position_embeddings"):
+                raise ValueError("model: yarn rope scaling needs 'original_max_position_embeddings' in config.json")
+            if rope_scaling.get("factor") is None:      # as transformers infers it
+                rope_scaling["factor"] = raw.get("max_position_embeddings", 2048) / rope["original_max_position_embeddings"]
         sliding = raw.get("sliding_window")
         if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
             sliding = None

@@ -1,6 +1,7 @@
 """DeepSeek-V2/V3 on the CPU: the latent cache's size, the engine's paging features over it,
 DeepSeek's routing, and clear errors. HF parity of the models is in test_hf_parity.py."""
 import json
+import math
 import shutil
 
 import pytest
@@ -32,12 +33,11 @@ def test_latent_cache_holds_one_row_a_token_a_layer(checkpoints):
     r, rope = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
     assert runner.kv_cache.shape[1:] == (1, runner.kv_cache.shape[2], llm.engine.cfg.page_size, 1, r + rope)
     assert runner.kv_bytes_per_page() == cfg.num_layers * llm.engine.cfg.page_size * (r + rope) * 4
-    # DeepSeek-V2-Lite's shape: 576 values a token a layer against 16 heads x (192 + 128) for
-    # the same attention cached as per-head K and V
-    lite = ModelConfig.from_dict({**PRESETS["deepseek-v2-lite"], "architectures": ["DeepseekV2ForCausalLM"],
-                                  "rope_scaling": None})
+    # DeepSeek-V2-Lite's shape: 576 values a token a layer, for all 16 heads; its YaRN scale
+    lite = ModelConfig.from_dict({**PRESETS["deepseek-v2-lite"], "architectures": ["DeepseekV2ForCausalLM"]})
     assert lite.cache_row == (1, 1, 576)
-    assert 16 * (192 + 128) / 576 == pytest.approx(8.9, abs=0.05)
+    m = 0.1 * 0.707 * math.log(40) + 1
+    assert lite.mla.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
 
 
 @pytest.mark.parametrize("name", ["deepseekv2", "deepseekv3"])
@@ -166,3 +166,40 @@ def test_static_decode_path_with_the_kernels_matches_the_reference(checkpoints):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
     assert_pool_free(llm)
+
+
+@interpret
+def test_speculative_verify_steps_over_the_latent_cache(checkpoints):
+    """n-gram speculation with the Triton backend: verify steps (several tokens a sequence) run
+    MLA's reference eagerly, so the tokens are plain decoding's."""
+    prompts = [prompt_of(8, salt=3) * 3, prompt_of(30, salt=4)]      # repeats give the n-gram drafts
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(checkpoints, "deepseekv2").generate(prompts, greedy, use_tqdm=False)]
+    spec = _llm(checkpoints, "deepseekv2", attention_backend="triton",
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert spec.engine.runner.verify_graphs is None
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = checkpoints("deepseekv3")
+    ckpt = tmp_path / "mtp"
+    shutil.copytree(src, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(4, 8)        # as V3 checkpoints ship them
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a, b = (LLM(p, device="cpu", show_progress=False).generate([prompt_of(9)], greedy, use_tqdm=False)
+            for p in (src, str(ckpt)))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_yarn_factor_is_inferred_as_transformers_does():
+    raw = {**PRESETS["deepseek-v2-lite"], "architectures": ["DeepseekV2ForCausalLM"], "max_position_embeddings": 65536}
+    raw["rope_parameters"] = {**raw["rope_parameters"], "factor": None}
+    assert ModelConfig.from_dict(raw).rope_scaling["factor"] == 16.0
+    del raw["rope_parameters"]["original_max_position_embeddings"]
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelConfig.from_dict(raw)

@@ -161,12 +161,15 @@ class MLADecodeTiles(NamedTuple):
     num_stages: int
 
 
-DEFAULT_MLA_TILES = MLADecodeTiles(16, 32, 4, 2)
+def mla_decode_tiles(num_heads: int) -> MLADecodeTiles:
+    """Measured on an H200 (benchmarks/mla.py; BENCHMARKS.md): 16 heads a program at V2-Lite's 16,
+    64 heads a program with 8 warps at V3's 128 (fewer re-reads of each latent tile)."""
+    return MLADecodeTiles(64, 32, 8, 2) if num_heads >= 64 else MLADecodeTiles(16, 32, 4, 2)
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, num_splits: int | None = None,
-                         tiles: MLADecodeTiles = DEFAULT_MLA_TILES) -> torch.Tensor:
+                         tiles: MLADecodeTiles | None = None) -> torch.Tensor:
     """One query token a sequence: q_lat [B, H, r] (q_nope absorbed into the latent space), q_pe
     [B, H, rope] (rotated), cache [pages, page, 1, r + rope] -> the attention-weighted latents
     [B, H, r] (W_UV turns them into the heads' values)."""
@@ -183,7 +186,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     batch = meta.num_seqs
     if B == 0 or batch == 0:
         return out
-    block_h, block_n, warps, stages = tiles
+    block_h, block_n, warps, stages = tiles or mla_decode_tiles(H)
     page = cache.shape[1]
     if num_splits is None:
         num_splits = choose_num_splits(batch, triton.cdiv(H, block_h), meta.max_seq_len, q_lat.device)

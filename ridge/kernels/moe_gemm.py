@@ -59,6 +59,9 @@ from ridge.kernels.silu_mul import silu_times
 from ridge.kernels.tiles import grouped_tile
 
 SMALL_MAX_TOKENS = 16
+# the fused top-k sum reads the value a tensor atomic returns, which older Tritons (before 3.5)
+# gave only to one of the threads that hold a replicated element
+FUSED_SUM_OK = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 5)
 
 
 class SmallTiles(NamedTuple):
@@ -277,7 +280,7 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
     nb = block_expert.numel()
     n_tiles = triton.cdiv(n, tiles.block_n)
     top_k = 0 if route_weights is None else route_weights.shape[1]
-    fuse_sum = fuse_sum and top_k > 0
+    fuse_sum = fuse_sum and top_k > 0 and FUSED_SUM_OK
     if top_k:
         scratch = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
         out = torch.empty(num_pairs // top_k, n, dtype=x.dtype, device=x.device) if fuse_sum else scratch

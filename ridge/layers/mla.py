@@ -48,7 +48,7 @@ class LatentAttention(nn.Module):
         (cache,) = kv_cache
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
-        kernels = self.kernels or q.is_cuda
+        kernels = self.kernels or (q.is_cuda and self.kv_lora_rank & (self.kv_lora_rank - 1) == 0)
         (write_latent if kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
         if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight, self.v_dim), q_pe, cache, meta, self.scale)

@@ -21,8 +21,8 @@ import os
 
 import torch
 
-from ridge.kernels.moe_gemm import (SMALL_MAX_TOKENS, GroupedTiles, SmallTiles, fused_moe_grouped, fused_moe_small,
-                                    grouped_gemm)
+from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, GroupedTiles, SmallTiles, fused_moe_grouped,
+                                    fused_moe_small, grouped_gemm)
 from ridge.kernels.moe_route import align_by_expert
 from ridge.utils.device_cache import cache_root, cached, device_key
 from ridge.utils.graph_timing import graph_time_us
@@ -33,7 +33,8 @@ SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 3), (16, 128, 4, 3), (1
 GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
     (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3))]
-GROUPED_PATHS = ("grouped", "grouped-torch-sum")   # the top-k sum in the down GEMM, or a torch sum after it
+# the top-k sum in the down GEMM (where this Triton can), or a torch sum after it
+GROUPED_PATHS = ("grouped", "grouped-torch-sum") if FUSED_SUM_OK else ("grouped-torch-sum",)
 VERSION = 4                # 4: the down GEMM fuses the top-k sum
 
 

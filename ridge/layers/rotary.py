@@ -48,7 +48,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         high = high + 0.001 if low == high else high
         ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
         keep = 1 - ramp
-        return inv_freq / factor * (1 - keep) + inv_freq * keep
+        pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
     raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
 
 

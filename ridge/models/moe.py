@@ -33,7 +33,7 @@ class SparseMoeBlock(nn.Module):
                 nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size)
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias)
         if moe.shared_expert_size and moe.shared_expert_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 

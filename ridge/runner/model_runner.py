@@ -120,8 +120,9 @@ class ModelRunner:
         the same for verify steps of up to verify_max_bs sequences, verify_queries tokens each."""
         if self.backend.name != "triton":
             return
+        # MLA's multi-token (verify) steps run its reference, which reads host-side lengths: eager
         graphs = [(self.cfg.max_num_seqs, 1)] + ([(verify_max_bs, verify_queries)] if verify_queries > 1
-                                                 and verify_max_bs > 0 else [])
+                                                 and verify_max_bs > 0 and self.model_cfg.mla is None else [])
         for max_bs, queries in graphs:
             g = DecodeGraphs(self.model, self.layer_caches, max_bs, self.cfg.max_model_len, self.cfg.page_size,
                              self.device, queries)
