@@ -11,7 +11,8 @@ replayed from a CUDA graph as decode steps are: the small path's gate/up and dow
 separately, and the grouped path's per tile height (alignment included) with its top-k sum in
 the down GEMM and after it (the fused sum saves a launch but puts its reads in the GEMM's
 epilogue, exposed: measured, it wins at tens of tokens and loses at thousands), and keeps the
-fastest path and tiles per bucket. A step of T tokens takes the choice of the first bucket >= T. Cached
+fastest path and tiles per bucket. Within a bucket a token's output does not depend on the rest of
+the batch; across buckets the path or tiles may change, and with them the last bit. A step of T tokens takes the choice of the first bucket >= T. Cached
 per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 dispatch.
 """
 from __future__ import annotations
