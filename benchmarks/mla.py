@@ -47,7 +47,7 @@ def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dic
     q_nope = torch.randn(B, H, s["nope"], device="cuda", generator=gen).bfloat16()
     q_pe = torch.randn(B, H, ROPE, device="cuda", generator=gen).bfloat16()
     kv_b = (torch.randn(H * (s["nope"] + s["v"]), R, device="cuda", generator=gen) * R ** -0.5).bfloat16()
-    q_lat = absorb_query(q_nope, kv_b, s["v"]).contiguous()
+    q_lat = absorb_query(q_nope, kv_b).contiguous()
     scale = (s["nope"] + ROPE) ** -0.5
     latent_bytes = B * L * (R + ROPE) * 2
     flops = B * H * L * (2 * (R + ROPE) + 2 * R)
@@ -58,7 +58,7 @@ def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dic
         if tm is not None:
             tiles[t] = tm.median_us
     best = min(tiles, key=tiles.get)
-    whole = time_calls([lambda: unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b, s["v"]), q_pe, cache,
+    whole = time_calls([lambda: unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache,
                                                                      meta, scale, tiles=MLADecodeTiles(*best)),
                                                 kv_b, s["nope"])] * 5, reps=15).median_us
     # the peer: SDPA over the same latents, contiguous

@@ -80,7 +80,8 @@ def _broadcast_rank(rank: int, port: int, nbytes: int, steps: int, payloads, out
 def broadcast_round_trips(messages: list[bytes], steps: int) -> list[float]:
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, len(messages[0]), steps, messages, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, len(messages[0]), steps, messages, out))
+             for r in (0, 1)]
     for p in procs:
         p.start()
     times = out.get(timeout=300)
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
         write_json(a.json, r)
     print(format_table(["batch", "bytes", "ring us (p99)", "gloo broadcast us (p99)", "ring speedup"],
                        [[x["batch"], x["payload_bytes"], f"{x['ring_us']:.1f} ({x['ring_p99_us']:.1f})",
-                         f"{x['broadcast_us']:.1f} ({x['broadcast_p99_us']:.1f})", f"{x['speedup']:.1f}x"] for x in rows],
+                         f"{x['broadcast_us']:.1f} ({x['broadcast_p99_us']:.1f})", f"{x['speedup']:.1f}x"]
+                        for x in rows],
                        title=f"step inputs to a second rank, round trip, {r['device']}"))
     return 0
 

@@ -240,7 +240,8 @@ class ModelConfig:
             if not rope.get("original_max_position_embeddings"):
                 raise ValueError("model: yarn rope scaling needs 'original_max_position_embeddings' in config.json")
             if rope_scaling.get("factor") is None:      # as transformers infers it
-                rope_scaling["factor"] = raw.get("max_position_embeddings", 2048) / rope["original_max_position_embeddings"]
+                rope_scaling["factor"] = (raw.get("max_position_embeddings", 2048)
+                                          / rope["original_max_position_embeddings"])
         sliding = raw.get("sliding_window")
         if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
             sliding = None

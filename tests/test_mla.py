@@ -137,7 +137,7 @@ def test_absorbed_decode_matches_the_expanded_reference(H, splits):
     q, cache, kv_b, meta = _decode_batch([1, 17, 70, 33], H, r, rope, nope, v, torch.float32)
     ref = mla_attention_ref(q, cache, kv_b, meta, 0.3, nope, v)
     q_nope, q_pe = q.split([nope, rope], dim=-1)
-    o_lat = mla_decode_attention(absorb_query(q_nope, kv_b, v), q_pe, cache, meta, 0.3, num_splits=splits)
+    o_lat = mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 0.3, num_splits=splits)
     torch.testing.assert_close(unabsorb_output(o_lat, kv_b, nope), ref, atol=2e-5, rtol=2e-5)
 
 

@@ -18,7 +18,7 @@ def test_absorbed_decode_at_model_shapes(H):
                          meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.max_query_len, meta.max_seq_len)))
     ref = mla_attention_ref(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
     q_nope, q_pe = q.split([128, 64], dim=-1)
-    out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b, 128), q_pe, cache, meta, 192 ** -0.5),
+    out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 192 ** -0.5),
                           kv_b, 128).float()
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 2e-2, rel

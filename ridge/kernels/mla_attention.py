@@ -210,15 +210,16 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     return out
 
 
-def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, v_dim: int) -> torch.Tensor:
-    """q_nope [T, H, nope] -> q_lat [T, H, r] = W_UK_h^T q_nope_h, one batched GEMM over heads."""
+def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, nope] -> q_lat [T, H, r] = W_UK_h^T q_nope_h, one batched GEMM over heads
+    (kv_b_weight [H (nope + v), r]: each head's nope rows, then its v rows)."""
     T, H, nope = q_nope.shape
-    w_uk = kv_b_weight.view(H, nope + v_dim, -1)[:, :nope]                       # [H, nope, r]
+    w_uk = kv_b_weight.view(H, -1, kv_b_weight.shape[1])[:, :nope]              # [H, nope, r]
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
 def unabsorb_output(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, nope: int) -> torch.Tensor:
     """o_lat [T, H, r] -> [T, H, v] = W_UV_h o_lat_h."""
     T, H, r = o_lat.shape
-    w_uv = kv_b_weight.view(H, nope + (kv_b_weight.shape[0] // H - nope), r)[:, nope:]   # [H, v, r]
+    w_uv = kv_b_weight.view(H, -1, r)[:, nope:]                                   # [H, v, r]
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)

@@ -217,8 +217,8 @@ def _grouped_kernel(X, W, Out, PairOrder, BlockExpert, RouteW, Scratch, Arrived,
                 tl.debug_barrier()                              # ... and the count seen before any thread reads
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for j in tl.static_range(TOP_K):                # slot order: the same sum in any batch
-                    other = last & (slot != j)                  # this program's own row is still in registers
-                    part = tl.load(rows + (token * TOP_K + j)[:, None] * N, mask=other[:, None] & n_mask[None, :],
+                    theirs = last & (slot != j)                 # this program's own row is still in registers
+                    part = tl.load(rows + (token * TOP_K + j)[:, None] * N, mask=theirs[:, None] & n_mask[None, :],
                                    other=0.0, cache_modifier=".cg")
                     total += tl.where((slot == j)[:, None], y.to(tl.float32), part.to(tl.float32))
                 tl.store(Out + token[:, None] * stride_om + offs_n[None, :], round_to(total, Out.dtype.element_ty,
@@ -263,8 +263,8 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
         num_warps=gu.num_warps, **launch_options(pdl))
     _small_down_kernel[(T, triton.cdiv(H, dn.block_n))](
         hidden, w2, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), BLOCK_TK=block_tk, BLOCK_N=dn.block_n, BLOCK_K=max(16, dn.block_k // block_tk), NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl,
-        num_warps=dn.num_warps, **launch_options(pdl))
+        out.stride(0), BLOCK_TK=block_tk, BLOCK_N=dn.block_n, BLOCK_K=max(16, dn.block_k // block_tk),
+        NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl, num_warps=dn.num_warps, **launch_options(pdl))
     return out
 
 

@@ -40,6 +40,7 @@ class LatentAttention(nn.Module):
         # the Triton backend (the interpreter's static decode path on a CPU) or CUDA: the cache
         # write and decode-only steps run the kernels; the torch backend on a CPU, the references
         self.kernels = backend.name == "triton"
+        self.kernels_fit = kv_lora_rank & (kv_lora_rank - 1) == 0          # the decode kernel tiles the latent
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_weight: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
@@ -48,10 +49,10 @@ class LatentAttention(nn.Module):
         (cache,) = kv_cache
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
-        kernels = self.kernels or (q.is_cuda and self.kv_lora_rank & (self.kv_lora_rank - 1) == 0)
+        kernels = self.kernels or (q.is_cuda and self.kernels_fit)
         (write_latent if kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
         if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
-            o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight, self.v_dim), q_pe, cache, meta, self.scale)
+            o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
         return mla_attention_ref(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale,
                                  self.nope_dim, self.v_dim)

@@ -74,20 +74,13 @@ class FusedMoE(nn.Module):
         w13, w2 = self.w13_weight, self.w2_weight
         if self.grouped is not None:
             weights, experts = route_grouped_ref(router_logits, self.top_k, self.renormalize, self.grouped, score_bias)
-            self.routed = experts
-            if not x.is_cuda:
-                return fused_moe_ref(x, w13, w2, weights, experts)
-            return self._experts(x, weights, experts)
-        if not x.is_cuda:
+        elif x.is_cuda:
+            weights, experts = route_topk(router_logits, self.top_k, self.renormalize)
+        else:
             weights, experts = route_topk_ref(router_logits, self.top_k, self.renormalize)
-            self.routed = experts
-            return fused_moe_ref(x, w13, w2, weights, experts)
-        weights, experts = route_topk(router_logits, self.top_k, self.renormalize)
         self.routed = experts
-        return self._experts(x, weights, experts)
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.w13_weight, self.w2_weight
+        if not x.is_cuda:
+            return fused_moe_ref(x, w13, w2, weights, experts)
         path, tiles = self.plan.choice(x.shape[0])
         if path == "small":
             return fused_moe_small(x, w13, w2, weights, experts, tiles)

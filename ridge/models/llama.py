@@ -73,7 +73,8 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
-        self.self_attn = MLAttention(cfg, rotary, backend) if cfg.mla is not None else LlamaAttention(cfg, rotary, backend)
+        self.self_attn = (MLAttention(cfg, rotary, backend) if cfg.mla is not None
+                          else LlamaAttention(cfg, rotary, backend))
         self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -28,6 +28,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize,
                                 moe.grouped)
+        if moe.grouped is not None:     # DeepSeek routes in float32: the router weight is kept so (exact)
+            self.gate.weight.data = self.gate.weight.data.float()
         if moe.grouped is not None and moe.grouped.score_bias:     # V3: chooses experts, does not weigh them
             self.gate.e_score_correction_bias = set_weight_loader(
                 nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
@@ -40,7 +42,7 @@ class SparseMoeBlock(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.grouped is None:
             return self.gate(x)
-        return F.linear(x.float(), self.gate.weight.float())       # DeepSeek routes in float32
+        return F.linear(x.float(), self.gate.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(self.router_logits(x), x, getattr(self.gate, "e_score_correction_bias", None))
