@@ -52,9 +52,11 @@
 #   moe-roofline   ridge roofline on the Qwen3-30B-A3B shape (dummy weights): prefill 2048, decode batch 1 and 64
 #                  -> roofline_moe.{md,json}
 #   mla            pytest -m gpu tests/test_mla_gpu.py, then benchmarks/mla.py: the absorbed MLA decode kernel at
-#                  the DeepSeek-V2-Lite and V3 shapes, batch 1-128 x context 4k-32k, vs SDPA -> mla_decode.json
+#                  the DeepSeek-V2-Lite and V3 shapes, batch 1-128 x context 4k-32k, vs SDPA, and the expanded
+#                  prefill at 1k-16k tokens vs expansion + SDPA -> mla_decode.json
 #   mla-e2e        the DeepSeek-V2-Lite shape (config only, dummy weights): ridge bench latency, decode batch 1 and
-#                  64 -> lat_mla_b{1,64}.json
+#                  64, with the Triton backend (CUDA graphs) and the torch one (eager; MLA_BACKENDS picks)
+#                  -> lat_mla_{triton,torch}_b{1,64}.json
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
@@ -234,10 +236,11 @@ PY
 echo; echo "=== summary ==="; cat "$SUMMARY"
 part mla 150 500 "python3 -m pytest -q -rA -m gpu tests/test_mla_gpu.py 2>&1 | tee -a $TESTS | tail -6; \
     python3 benchmarks/mla.py ${MLA_ARGS:-} --json $OUT/mla_decode.json 2>&1 | grep -v -i warn"
-part mla-e2e 150 400 "python3 -m ridge.utils.random_checkpoint /tmp/dsv2lite --arch deepseekv2 --preset deepseek-v2-lite \
-    --config-only > /dev/null && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite --load-format dummy \
+part mla-e2e 150 560 "python3 -m ridge.utils.random_checkpoint /tmp/dsv2lite --arch deepseekv2 --preset deepseek-v2-lite \
+    --config-only > /dev/null && for be in ${MLA_BACKENDS:-triton torch}; do for b in 1 64; do \
+    python3 -m ridge bench latency --model /tmp/dsv2lite --load-format dummy --attention-backend \$be \
     --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 --kv-cache-memory 8e9 \
-    --no-progress --json $OUT/lat_mla_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
+    --no-progress --json $OUT/lat_mla_\${be}_b\$b.json 2>&1 | grep -v -i warn | tail -8; done; done"
 part moe-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part moe-kernels 120 500 "python3 benchmarks/moe.py kernels ${MOE_ARGS:-} --json $OUT/moe_kernels.json 2>&1 | grep -v -i warn"
 part moe-e2e 200 580 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-30b-a3b --arch qwen3moe --preset qwen3-30b-a3b \

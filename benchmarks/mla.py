@@ -10,6 +10,9 @@ a head a key) over the measured bf16 matrix roof. Peer, same run: PyTorch SDPA o
 latents laid out contiguously (no pages; q [B, H, 1, r + rope], K [B, 1, L, r + rope] and V
 [B, 1, L, r] with enable_gqa) - what a user gets from torch for the absorbed form.
 
+Prefill (--prefill-lens): one prompt in the expanded form, ridge's whole path (gather, expansion
+GEMM, Triton kernel) against the same expansion followed by causal SDPA.
+
     python benchmarks/mla.py --json mla_decode.json
 """
 from __future__ import annotations
@@ -78,11 +81,46 @@ def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dic
     return row
 
 
+def prefill_case(name: str, s: dict, L: int, gen, roof: float) -> dict:
+    """One L-token prompt (batch 1, no cached prefix): ridge's expanded prefill (gather, expansion
+    GEMM and the Triton kernel) against the same expansion + SDPA (causal, 192-wide q/k, 128-wide v)."""
+    from ridge.kernels.attention_meta import AttentionMetadata
+    from ridge.kernels.mla_prefill import mla_prefill_attention
+
+    H, nope, v, pages = s["H"], s["nope"], s["v"], -(-L // PAGE)
+    cache = torch.randn(pages, PAGE, 1, R + ROPE, device="cuda", generator=gen).bfloat16()
+    table = torch.randperm(pages, device="cuda", generator=gen).view(1, pages).int()
+    meta = AttentionMetadata(torch.zeros(L, dtype=torch.int64, device="cuda"),
+                             torch.tensor([0, L], dtype=torch.int32, device="cuda"),
+                             torch.tensor([L], dtype=torch.int32, device="cuda"), table, [0, L], [L], L, L)
+    q = torch.randn(L, H, nope + ROPE, device="cuda", generator=gen).bfloat16()
+    kv_b = (torch.randn(H * (nope + v), R, device="cuda", generator=gen) * R ** -0.5).bfloat16()
+    scale = (nope + ROPE) ** -0.5
+    ours = time_calls([lambda: mla_prefill_attention(q, cache, kv_b, meta, scale, nope, v)], reps=10).median_us
+
+    def peer():
+        rows = cache[table.long()].view(-1, R + ROPE)[:L]
+        kv = F.linear(rows[:, :R], kv_b).view(L, H, nope + v)
+        k = torch.cat((kv[..., :nope], rows[:, None, R:].expand(-1, H, -1)), dim=-1)
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), kv[..., nope:].transpose(0, 1),
+                                              is_causal=True, scale=scale)
+    sdpa = try_time("sdpa prefill", lambda: time_calls([peer], reps=10))
+    flops = H * L * (L + 1) // 2 * (2 * (nope + ROPE) + 2 * v) + 2 * L * R * H * (nope + v)
+    row = dict(shape=name, prefill=L, heads=H, ridge_us=ours, tflops=flops / ours / 1e6,
+               fraction_of_roof=flops / ours / 1e-6 / roof, sdpa_us=sdpa.median_us if sdpa else None,
+               vs_sdpa=sdpa.median_us / ours if sdpa else None)
+    print(f"  prefill {name} L={L}: {ours:.0f} us, {row['tflops']:.0f} TFLOP/s; expansion + sdpa "
+          f"{row['sdpa_us'] or float('nan'):.0f} us", flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--prefill-lens", nargs="+", type=int, default=[1024, 4096, 16384],
+                    help="prompt lengths of the expanded prefill's timing (none: skip it)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -96,7 +134,9 @@ def main(argv=None) -> int:
             for L in a.contexts:
                 rows.append(case(n, SHAPES[n], B, L, gen, ceil.bandwidth, ceil.peak("bf16")))
                 torch.cuda.empty_cache()
-    r = dict(device=device_name(torch.device("cuda")), bandwidth=ceil.bandwidth, bf16_roof=ceil.peak("bf16"), rows=rows)
+    prefill = [prefill_case(n, SHAPES[n], L, gen, ceil.peak("bf16")) for n in a.shapes for L in a.prefill_lens]
+    r = dict(device=device_name(torch.device("cuda")), bandwidth=ceil.bandwidth, bf16_roof=ceil.peak("bf16"), rows=rows,
+             prefill=prefill)
     if a.json:
         write_json(a.json, r)
     print(format_table(["shape", "B", "L", "us", "GB/s", "of copy", "TFLOP/s", "of roof", "whole us", "vs SDPA"],
@@ -104,6 +144,11 @@ def main(argv=None) -> int:
                          f"{x['fraction_of_copy']:.1%}", f"{x['tflops']:.0f}", f"{x['fraction_of_roof']:.1%}",
                          f"{x['attention_us']:.1f}", f"{x['vs_sdpa']:.2f}x" if x["vs_sdpa"] else "n/a"] for x in rows],
                        title=f"MLA decode attention, bf16, {r['device']}"))
+    if prefill:
+        print(format_table(["shape", "L", "ridge us", "TFLOP/s", "of roof", "vs expansion + SDPA"],
+                           [[x["shape"], x["prefill"], f"{x['ridge_us']:.0f}", f"{x['tflops']:.0f}",
+                             f"{x['fraction_of_roof']:.1%}", f"{x['vs_sdpa']:.2f}x" if x["vs_sdpa"] else "n/a"]
+                            for x in prefill], title="MLA prefill (expanded form), batch 1"))
     return 0
 
 

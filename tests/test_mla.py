@@ -87,6 +87,10 @@ def test_latent_attention_cost_reads_each_row_once_for_all_heads():
     assert att.param_bytes == 1000
     assert att.flops == 2 * 2 * 16 * (16 * 32 + 32 * 16) + 16 * 400 * (4 * 32 + 2 * 8)
     assert write.kv_bytes == 2 * (32 + 8) * 2
+    # a prefill step runs the expanded form: the context's latents up-projected once, 24-wide keys
+    expand, att = attn.cost(StepShape((1, 50), (100, 50), dtype=torch.bfloat16), kv_b_bytes=1000)[1:]
+    assert expand.flops == 2 * 150 * 32 * 16 * (16 + 16) and expand.kv_bytes == 150 * (32 + 8) * 2
+    assert att.flops == 16 * (100 + 50 * 51 // 2) * (2 * (16 + 8) + 2 * 16)
 
 
 def test_deepseek_errors_are_clear(checkpoints, tmp_path):
@@ -105,7 +109,9 @@ def test_deepseek_errors_are_clear(checkpoints, tmp_path):
             LLM(str(bad), device="cpu", show_progress=False)
 
 
-def _decode_batch(ctx_lens, H, r, rope, nope, v, dtype, page=16, seed=0):
+def _decode_batch(ctx_lens, H, r, rope, nope, v, dtype, page=16, seed=0, q_lens=None):
+    """A paged latent cache and a batch whose sequence i has q_lens[i] query rows (1: decode) at the
+    end of its ctx_lens[i] positions."""
     from ridge.kernels.attention_meta import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
     pages_each = [-(-n // page) for n in ctx_lens]
@@ -116,14 +122,16 @@ def _decode_batch(ctx_lens, H, r, rope, nope, v, dtype, page=16, seed=0):
         tables[i, :n] = perm[used:used + n]
         used += n
     cache = torch.randn(len(perm), page, 1, r + rope, generator=g).to(dtype)
-    B = len(ctx_lens)
-    starts = list(range(B + 1))
-    meta = AttentionMetadata(slot_mapping=torch.zeros(B, dtype=torch.int64),
+    q_lens = q_lens or [1] * len(ctx_lens)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
                              query_start_loc=torch.tensor(starts, dtype=torch.int32),
                              seq_lens=torch.tensor(ctx_lens, dtype=torch.int32), page_tables=tables,
-                             query_start_loc_cpu=starts, seq_lens_cpu=list(ctx_lens), max_query_len=1,
+                             query_start_loc_cpu=starts, seq_lens_cpu=list(ctx_lens), max_query_len=max(q_lens),
                              max_seq_len=max(ctx_lens))
-    q = torch.randn(B, H, nope + rope, generator=g).to(dtype)
+    q = torch.randn(starts[-1], H, nope + rope, generator=g).to(dtype)
     kv_b = (torch.randn(H * (nope + v), r, generator=g) * r ** -0.5).to(dtype)
     return q, cache, kv_b, meta
 
@@ -139,6 +147,21 @@ def test_absorbed_decode_matches_the_expanded_reference(H, splits):
     q_nope, q_pe = q.split([nope, rope], dim=-1)
     o_lat = mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 0.3, num_splits=splits)
     torch.testing.assert_close(unabsorb_output(o_lat, kv_b, nope), ref, atol=2e-5, rtol=2e-5)
+
+
+@interpret
+def test_expanded_prefill_kernel_matches_the_reference():
+    """Whole prompts, chunks over a cached prefix and decode rows in one batch; ragged lengths
+    across the kernel's tiles."""
+    from ridge.kernels.mla_attention import mla_attention_ref
+    from ridge.kernels.mla_prefill import mla_prefill_attention
+    r, rope, nope, v = 32, 16, 32, 16
+    q, cache, kv_b, meta = _decode_batch([37, 50, 19, 64, 1], 3, r, rope, nope, v, torch.float32,
+                                         q_lens=[37, 21, 1, 40, 1])
+    ref = mla_attention_ref(q, cache, kv_b, meta, 0.3, nope, v)
+    torch.testing.assert_close(mla_prefill_attention(q, cache, kv_b, meta, 0.3, nope, v), ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="qk_rope_head_dim=8"):
+        mla_prefill_attention(q[..., :-8], cache[..., :-8], kv_b, meta, 0.3, nope, v)
 
 
 @interpret

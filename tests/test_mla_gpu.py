@@ -1,5 +1,8 @@
-"""MLA on a GPU: the absorbed decode kernel at the DeepSeek shapes against the expanded reference,
-and a random DeepSeek-V3 checkpoint's decode against transformers."""
+"""MLA on a GPU: the absorbed decode and expanded prefill kernels at the DeepSeek shapes against the
+expanding reference, and a random DeepSeek-V3 checkpoint's decode against transformers, eager and
+with the Triton backend's CUDA graphs."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,13 +12,16 @@ from test_mla import _decode_batch
 pytestmark = pytest.mark.gpu
 
 
+def _on_cuda(meta):
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
+                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
+
+
 @pytest.mark.parametrize("H", [16, 128])
 def test_absorbed_decode_at_model_shapes(H):
     q, cache, kv_b, meta = _decode_batch([1, 300, 4100, 2000], H, 512, 64, 128, 128, torch.bfloat16)
     q, cache, kv_b = q.cuda(), cache.cuda(), kv_b.cuda()
-    meta = type(meta)(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in
-                        (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.page_tables,
-                         meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.max_query_len, meta.max_seq_len)))
+    meta = _on_cuda(meta)
     ref = mla_attention_ref(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
     q_nope, q_pe = q.split([128, 64], dim=-1)
     out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 192 ** -0.5),
@@ -24,13 +30,28 @@ def test_absorbed_decode_at_model_shapes(H):
     assert rel < 2e-2, rel
 
 
-def test_deepseek_engine_on_cuda_matches_transformers(checkpoints):
+@pytest.mark.parametrize("H", [16, 128])
+def test_expanded_prefill_at_model_shapes(H):
+    """Whole prompts, chunks over cached prefixes and decode rows, against the expanding reference."""
+    from ridge.kernels.mla_prefill import mla_prefill_attention
+    q, cache, kv_b, meta = _decode_batch([700, 1500, 90, 2049], H, 512, 64, 128, 128, torch.bfloat16,
+                                         q_lens=[700, 333, 1, 1024])
+    q, cache, kv_b, meta = q.cuda(), cache.cuda(), kv_b.cuda(), _on_cuda(meta)
+    ref = mla_attention_ref(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
+    out = mla_prefill_attention(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_deepseek_engine_on_cuda_matches_transformers(checkpoints, backend):
     from transformers import AutoModelForCausalLM
 
     from ridge import LLM, SamplingParams
     from conftest import prompt_of
     path = checkpoints("deepseekv3")
-    llm = LLM(path, device="cuda", dtype="float32", show_progress=False, max_model_len=256)
+    llm = LLM(path, device="cuda", dtype="float32", show_progress=False, max_model_len=256, attention_backend=backend)
+    assert (llm.engine.runner.decode_graphs is not None) == (backend == "triton")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 30, 12))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)

@@ -90,9 +90,18 @@ def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale, key_pos, q_pos, key_end, win
                   CAUSAL: tl.constexpr, LIMIT: tl.constexpr, SLIDING: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Fold one K/V tile into the running (acc, l, m). Scores carry scale*log2(e), so the
-    softmax uses exp2, a single MUFU.EX2 op. Masks are compile-time: the mask-free tiles (most of
-    them) pay for no compare/select at all."""
+    softmax uses exp2, a single MUFU.EX2 op."""
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    return _softmax_fold(acc, l_i, m_i, qk, v, qk_scale, key_pos, q_pos, key_end, window, CAUSAL, LIMIT, SLIDING,
+                         PRECISION)
+
+
+@triton.jit
+def _softmax_fold(acc, l_i, m_i, qk, v, qk_scale, key_pos, q_pos, key_end, window,
+                  CAUSAL: tl.constexpr, LIMIT: tl.constexpr, SLIDING: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Fold one tile's raw scores qk [M, N] and its values v [N, dv] into (acc, l, m). Masks are
+    compile-time: the mask-free tiles (most of them) pay for no compare/select at all."""
     if CAUSAL or LIMIT or SLIDING:
         ok = tl.full(qk.shape, 1, tl.int1)
         if CAUSAL:

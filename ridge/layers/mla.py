@@ -24,6 +24,7 @@ from torch import nn
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output,
                                          write_latent, write_latent_ref)
+from ridge.kernels.mla_prefill import mla_prefill_attention
 from ridge.kernels.rotary import apply_rotary_ref
 from ridge.layers.attention import AttentionBackend, attention_keys_read, attention_pairs
 from ridge.layers.cost import OpCost, StepShape
@@ -41,6 +42,8 @@ class LatentAttention(nn.Module):
         # write and decode-only steps run the kernels; the torch backend on a CPU, the references
         self.kernels = backend.name == "triton"
         self.kernels_fit = kv_lora_rank & (kv_lora_rank - 1) == 0          # the decode kernel tiles the latent
+        # the prefill kernel splits its dot products at nope | rope and tiles the values
+        self.prefill_fits = all(d >= 16 and d & (d - 1) == 0 for d in (nope_dim, rope_dim, v_dim))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_weight: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
@@ -54,19 +57,30 @@ class LatentAttention(nn.Module):
         if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
-        return mla_attention_ref(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale,
-                                 self.nope_dim, self.v_dim)
+        attend = mla_prefill_attention if kernels and self.prefill_fits else mla_attention_ref
+        return attend(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale, self.nope_dim,
+                      self.v_dim)
 
     def cost(self, step: StepShape, kv_b_bytes: int = 0) -> list[OpCost]:
-        """kv_b_bytes: the up-projection's weight, read once a step (folded into q and the output)."""
+        """kv_b_bytes: the up-projection's weight, read once a step. A decode-only step runs the
+        absorbed form (kv_b folded into q and the output); any other step the expanded one (the
+        context's latents up-projected once, then per-head attention over 192-wide keys)."""
         H, r, rope, nope, v = self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim
         T, a, c, lens = step.num_tokens, step.act.bytes, step.kv_elt, list(zip(step.query_lens, step.context_lens))
         row = (r + rope) * c
         written, read = T * row, sum(attention_keys_read(ql, cl) for ql, cl in lens) * row
         pairs = sum(attention_pairs(ql, cl) for ql, cl in lens)
-        absorb = 2 * T * H * (nope * r + r * v)
-        return [OpCost("rope_latent_write", "elementwise", 3 * T * (H + 1) * rope,
-                       T * (2 * H * rope + rope + r) * a + written, kv_bytes=written, compute=step.act.compute),
-                OpCost("attention", "attention", absorb + H * pairs * (4 * r + 2 * rope),
-                       T * H * (nope + rope + v) * a + read + kv_b_bytes, kv_b_bytes, kv_bytes=read,
-                       compute=step.act.compute)]
+        rope_write = OpCost("rope_latent_write", "elementwise", 3 * T * (H + 1) * rope,
+                            T * (2 * H * rope + rope + r) * a + written, kv_bytes=written, compute=step.act.compute)
+        if step.num_prefill_tokens == 0:
+            absorb = 2 * T * H * (nope * r + r * v)
+            return [rope_write, OpCost("attention", "attention", absorb + H * pairs * (4 * r + 2 * rope),
+                                       T * H * (nope + rope + v) * a + read + kv_b_bytes, kv_b_bytes, kv_bytes=read,
+                                       compute=step.act.compute)]
+        context = sum(cl for _, cl in lens)
+        expanded = context * H * (nope + v) * a                      # written by the expansion, read by attention
+        return [rope_write,
+                OpCost("latent_expand", "gemm", 2 * context * r * H * (nope + v), read + kv_b_bytes + expanded,
+                       kv_b_bytes, kv_bytes=read, compute=step.act.compute),
+                OpCost("attention", "attention", H * pairs * (2 * (nope + rope) + 2 * v),
+                       T * H * (2 * (nope + rope) + v) * a + expanded + context * rope * a, compute=step.act.compute)]

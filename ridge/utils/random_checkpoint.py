@@ -55,7 +55,7 @@ ARCHS = {
     "deepseekv2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseekv3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
-_DEEPSEEK = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+_DEEPSEEK = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
 # experts of the small presets, per MoE architecture (a preset's own values win)
 MOE_DEFAULTS = {
