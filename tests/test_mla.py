@@ -194,7 +194,7 @@ def test_static_decode_path_with_the_kernels_matches_the_reference(checkpoints):
 @interpret
 def test_speculative_verify_steps_over_the_latent_cache(checkpoints):
     """n-gram speculation with the Triton backend: verify steps (several tokens a sequence) run
-    MLA's reference eagerly, so the tokens are plain decoding's."""
+    MLA's expanded form eagerly, so the tokens are plain decoding's."""
     prompts = [prompt_of(8, salt=3) * 3, prompt_of(30, salt=4)]      # repeats give the n-gram drafts
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(checkpoints, "deepseekv2").generate(prompts, greedy, use_tqdm=False)]

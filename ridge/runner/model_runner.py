@@ -57,11 +57,7 @@ class ModelRunner:
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
         if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
             raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
-        # DeepSeek (MLA) takes the Triton backend - its padded static decode path and CUDA graphs -
-        # only when asked: that path is checked in the interpreter, not yet on a GPU, where "auto"
-        # keeps MLA eager (its kernels still run: ridge/layers/mla.py)
-        name = "torch" if model_cfg.mla is not None and cfg.attention_backend == "auto" else cfg.attention_backend
-        self.backend = select_backend(cfg.device, name, model_cfg.head_dim, rotation,
+        self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation,
                                       model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
@@ -120,7 +116,7 @@ class ModelRunner:
         the same for verify steps of up to verify_max_bs sequences, verify_queries tokens each."""
         if self.backend.name != "triton":
             return
-        # MLA's multi-token (verify) steps run its reference, which reads host-side lengths: eager
+        # MLA's multi-token (verify) steps expand the latents by host-side lengths: eager
         graphs = [(self.cfg.max_num_seqs, 1)] + ([(verify_max_bs, verify_queries)] if verify_queries > 1
                                                  and verify_max_bs > 0 and self.model_cfg.mla is None else [])
         for max_bs, queries in graphs:
