@@ -68,6 +68,13 @@ class Committer:
             return "length"
         return None
 
+    def record_prompt_logprobs(self, seq: Sequence, start: int, targets: list[int], info) -> None:
+        """The entries of prompt positions start, start + 1, ...: each prompt token and the top-k
+        candidates there (`info`: logprob_info of `targets`, on the host)."""
+        k = seq.request.params.prompt_logprobs
+        for i, tok in enumerate(targets):
+            seq.prompt_logprobs[start + i] = self.logprob_entry(info, i, tok, k)
+
     def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
         """The sampled token and the top-k candidates, each named by the text it contributes
         (TokenTexts: one cached lookup per id, whatever the sequence's length)."""

@@ -54,7 +54,7 @@ class Intake:
             seq = Sequence(next(self._ids), req, j, list(token_ids), len(token_ids), seed=seed,
                            status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
                            logprobs=[] if params.logprobs is not None else None,
-                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs and j == 0 else None)
+                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None and j == 0 else None)
             if self.tokenizer is not None:      # emits text once a whole UTF-8 piece is known
                 seq.detokenizer = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             req.seqs.append(seq)

@@ -48,7 +48,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""
     detokenizer: object = None
-    prompt_logprobs: list[float | None] | None = None   # by position; position 0 has none
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # by position; position 0 has none
     # Trailing entries of token_ids that are placeholders for ids sampled by a step still on the
     # GPU (the engine's overlapped decode); they count as tokens for scheduling and sampling.
     num_pending: int = 0
@@ -122,7 +122,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[float | None] | None = None
+    # by prompt position (None at 0): the prompt token and the top-k candidates, as in `logprobs`
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
 
     @classmethod
