@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from ridge.engine.sampling_params import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) that the context, or the KV cache, cannot hold: a
+    ValueError like any bad request, told apart for clients (OpenAI's context_length_exceeded)."""
+
+
 class SeqStatus(enum.Enum):
     UNBORN = "unborn"        # sample > 0 of a request, waiting for sample 0's prefill to fork from
     WAITING = "waiting"
