@@ -14,7 +14,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from ridge.server.errors import SCHEMA_VALID_REFUSALS
-from ridge.server.protocol import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelList
+from ridge.server.protocol import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse,
+                                   ModelList)
 from ridge.server.request_models import RequestModels
 
 _REF = "#/components/schemas/{model}"
@@ -30,7 +31,8 @@ request without one is read as JSON."""
 def openapi_document(app, models: RequestModels, model_name: str, secured: bool) -> dict:
     doc = get_openapi(title="ridge", version="0.1.0", description=DESCRIPTION, routes=app.routes)
     inputs = [(m, "validation") for m in (models.completion, models.chat)]
-    outputs = [(m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse)]
+    outputs = [(m, "serialization")
+               for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList, ErrorResponse)]
     refs, top = models_json_schema(inputs + outputs, ref_template=_REF)
     doc.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
     error = {"application/json": {"schema": refs[(ErrorResponse, "serialization")]}}
@@ -44,9 +46,9 @@ def openapi_document(app, models: RequestModels, model_name: str, secured: bool)
     refusals["x-schema-valid-refusals"] = dict(SCHEMA_VALID_REFUSALS)
     common = {"401": answer("missing or wrong API key (Authorization: Bearer KEY)"),
               "503": answer("the engine is loading, has died or the server is shutting down")}
-    for path, request, response, what in (("/v1/completions", models.completion, CompletionResponse, "completion"),
-                                          ("/v1/chat/completions", models.chat, ChatCompletionResponse,
-                                           "chat completion")):
+    for path, request, response, chunk, what in (
+            ("/v1/completions", models.completion, CompletionResponse, CompletionResponse, "completion"),
+            ("/v1/chat/completions", models.chat, ChatCompletionResponse, ChatCompletionChunk, "chat completion")):
         op = doc["paths"][path]["post"]
         op["summary"] = f"Create a {what}"
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": refs[(request,
@@ -55,7 +57,8 @@ def openapi_document(app, models: RequestModels, model_name: str, secured: bool)
             "200": {"description": f"the {what}; with stream: true, server-sent events (data: <chunk JSON>, "
                                    f"ending in data: [DONE])",
                     "content": {"application/json": {"schema": refs[(response, "serialization")]},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": _event(refs[(chunk, "serialization")],
+                                                                       refs[(ErrorResponse, "serialization")])}}},
             "400": refusals,
             "404": answer(f"a model other than the one this server serves ({model_name!r})"),
             "413": answer("the body exceeds the server's --max-body-bytes"),
@@ -79,3 +82,9 @@ def openapi_document(app, models: RequestModels, model_name: str, secured: bool)
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     return doc
+
+
+def _event(chunk: dict, error: dict) -> dict:
+    """One server-sent event of a stream: a chunk, an error that ends it, or the closing [DONE]."""
+    payload = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}}
+    return {"type": "object", "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}}, "required": ["data"]}
