@@ -1,9 +1,10 @@
 """Schemathesis against the served /openapi.json: requests generated from the schema (positive
 mode: valid by it) to both POST routes. Every answer is a 2xx or a refusal the schema documents
 (404 for another model, 413 above the body limit, a 400 whose code its x-schema-valid-refusals
-lists), never a 5xx, and every answer matches the schema's response for its status. Bounded: a
-fixed number of examples per route, one second a request at most, a small context so that each
-request generates little."""
+lists), never a 5xx, and every answer matches the schema's response for its status (each event
+of a stream too). Bounded: a fixed number of examples per route, derandomized, and a time budget
+past which the remaining examples are skipped; the tiny checkpoint with a 256-token context, so
+that no request generates much."""
 from __future__ import annotations
 
 import time

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from ridge.engine.request import CompletionOutput, ContextLengthError, RequestOutput

@@ -79,6 +79,10 @@ class Needs:
 
 SET = object()
 NEEDS_STREAM = Needs("stream_options", SET, "stream")
+# fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
+NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)
+NO_CALL_CHOICE = only(str | dict | None, None, "none", "auto")
+TEXT_FORMAT = only(dict | None, None, {"type": "text"}, why='only {"type": "text"} is supported by this server')
 
 
 def conflict(param: str, why: str) -> PydanticCustomError:
@@ -115,7 +119,7 @@ class ChatMessage(_Request):
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED) = None
+    tool_calls: NO_TOOLS = None
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -209,12 +213,11 @@ def request_models(lim: RequestLimits) -> RequestModels:
         max_completion_tokens: tokens | None = None          # this one, which wins when both are set
         logprobs: bool = False
         top_logprobs: top_count | None = None
-        tools: only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED) = None
-        response_format: only(dict | None, None, {"type": "text"},
-                              why='only {"type": "text"} is supported by this server') = None
+        tools: NO_TOOLS = None
+        response_format: TEXT_FORMAT = None
         functions: only(list[dict] | None, None, []) = None
-        function_call: only(str | dict | None, None, "none", "auto") = None
-        tool_choice: only(str | dict | None, None, "none", "auto") = None
+        function_call: NO_CALL_CHOICE = None
+        tool_choice: NO_CALL_CHOICE = None
         parallel_tool_calls: only(bool | None, None) = None
         modalities: only(list[str] | None, None, ["text"]) = None
         audio: only(dict | None, None) = None
