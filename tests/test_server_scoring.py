@@ -135,3 +135,15 @@ def test_openapi_states_the_served_limits(server):
     assert set(ops["responses"]["400"]["x-schema-valid-refusals"]) == {"context_length_exceeded",
                                                                         "conflicting_parameters"}
     assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"prompt": [5] * 255, "max_tokens": 16}, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "def f(): pass\n" * 200}, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "conflicting_parameters"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "conflicting_parameters"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "conflicting_parameters"),
+])
+def test_refusals_of_schema_valid_requests_carry_the_listed_codes(server, body, param, code):
+    err = server.post(C, body).json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
