@@ -55,6 +55,9 @@ def only(kind, *allowed, why: str = UNSUPPORTED):
     return Annotated[kind, AfterValidator(check), WithJsonSchema({"enum": list(allowed)})]
 
 
+SET = object()                            # Needs' value for "anything but null"
+
+
 @dataclass(frozen=True)
 class Needs:
     """A request whose `field` is `value` (SET: anything but null) must set `other` to true.
@@ -77,7 +80,6 @@ class Needs:
         return conflict(self.field, f"{what}is only allowed when {self.other} is true")
 
 
-SET = object()
 NEEDS_STREAM = Needs("stream_options", SET, "stream")
 # fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
 NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)

@@ -44,10 +44,10 @@ class CompletionServing(OpenAIServing):
         if finals is None:
             return Response(status_code=499)
         if req.echo or req.prompt_logprobs is not None:
-            return JSONResponse(await self.client.run_in_worker(self._response, group.base_id, req, params, finals))
-        return JSONResponse(self._response(group.base_id, req, params, finals))
+            return await self.client.run_in_worker(self._response, group.base_id, req, params, finals)
+        return self._response(group.base_id, req, params, finals)
 
-    def _response(self, base_id: str, req, params: SamplingParams, finals: list[RequestOutput]) -> dict:
+    def _response(self, base_id: str, req, params: SamplingParams, finals: list[RequestOutput]) -> JSONResponse:
         choices = []
         for p, out in enumerate(finals):
             prompt = PromptShown(self.client, req, out, params.skip_special_tokens)
@@ -61,8 +61,9 @@ class CompletionServing(OpenAIServing):
                         lps = _joined(lps, completion_logprobs(c.token_ids, c.logprobs, offsets))
                 choices.append(CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lps,
                                                 finish_reason=reason, prompt_logprobs=prompt.prompt_logprobs))
-        return CompletionResponse(id=base_id, model=self.cfg.model_name, choices=choices,
-                                  usage=usage(finals, generated=not (req.echo and req.max_tokens == 0))).model_dump()
+        body = CompletionResponse(id=base_id, model=self.cfg.model_name, choices=choices,
+                                  usage=usage(finals, generated=not (req.echo and req.max_tokens == 0)))
+        return JSONResponse(body.model_dump())          # rendered here: in the worker when it shows the prompt
 
     async def _events(self, group: RequestGroup, req, params: SamplingParams):
         created = int(time.time())
