@@ -68,16 +68,26 @@ def _scoring_params():
     from ridge import SamplingParams
 
     # prompt_logprobs also keeps the window off the prefix cache: every position is computed
-    return SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+
+
+def token_logprobs(out) -> list[float]:
+    """log p of each prompt token after the first given the tokens before it, from an output of
+    a request made with `_scoring_params`."""
+    return [entry[tok].logprob for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+
+
+def score(llm, windows: list[list[int]], use_tqdm: bool = False) -> list[list[float]]:
+    """Each window's token_logprobs: how eval-ppl scores text, for any token windows."""
+    return [token_logprobs(out) for out in llm.generate(windows, _scoring_params(), use_tqdm=use_tqdm)]
 
 
 def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> PerplexityResult:
     windows = scoring_windows(llm, paths, seq_len)
-    outs = llm.generate(windows, _scoring_params(), use_tqdm=use_tqdm)
     bos = llm.tokenizer.bos_token_id
     nll, count = 0.0, 0
-    for window, out in zip(windows, outs):
-        for tok, lp in zip(window[1:], out.prompt_logprobs[1:]):
+    for window, lps in zip(windows, score(llm, windows, use_tqdm)):
+        for tok, lp in zip(window[1:], lps):
             if tok != bos:
                 nll -= lp
                 count += 1
@@ -117,7 +127,7 @@ def _next_token_logprobs(llm, window: list[int]):
     if positions.numel() < len(window) - 1:
         raise RuntimeError("compare: the engine computed fewer positions than the window has")
     with torch.inference_mode():
-        return out.prompt_logprobs[1:], torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+        return token_logprobs(out), torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
 def compare(llm, reference, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> CompareResult:

@@ -3,6 +3,10 @@ uvicorn on loopback, and helpers that slow, record or wait on its engine."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -42,6 +46,45 @@ class Served:
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return out
+
+
+class ServeProcess:
+    """`ridge serve` in a subprocess on a free loopback port (--port 0, the CPU), its log in a
+    file; `wait_ready` reads the address it announces once its engine has loaded. `script`: Python
+    run in place of `-m ridge` (to slow the engine down, say), with the same arguments."""
+
+    def __init__(self, args: list[str], log_path, script: str | None = None, env: dict | None = None):
+        self.log_path = log_path
+        self.log_file = open(log_path, "w")
+        head = ["-c", script] if script is not None else ["-m", "ridge"]
+        cmd = [sys.executable, *head, "serve", "--device", "cpu", "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd(), **(env or {})))
+        self.url = None
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while self.url is None:
+            text = self.log()
+            assert self.proc.poll() is None, text[-3000:]
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text)
+            if m and "engine ready" in text:
+                self.url = m.group(1)
+            assert time.monotonic() < deadline, "the server did not start:\n" + text[-3000:]
+            time.sleep(0.1)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return "127.0.0.1", int(self.url.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log_file.close()
 
 
 def metric(m: dict, name: str, **labels) -> float:

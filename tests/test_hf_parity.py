@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ridge import LLM, SamplingParams
+from ridge.eval_ppl import token_logprobs
 from conftest import PROMPT_LENGTHS, prompt_of
 
 
@@ -100,10 +101,19 @@ def test_prompt_logprobs_match_transformers_under_chunking_and_caching(checkpoin
     first = prompt_of(150, salt=1)
     prompts = [first, first[:100] + prompt_of(50, salt=2)]
     llm.generate([first], SamplingParams(max_tokens=1), use_tqdm=False)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
-        expected = ref[:-1].gather(1, torch.tensor(p[1:])[:, None]).squeeze(1)
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)[:-1]
+        expected = ref.gather(1, torch.tensor(p[1:])[:, None]).squeeze(1)
         assert o.prompt_logprobs[0] is None
-        assert torch.allclose(torch.tensor(o.prompt_logprobs[1:]), expected, atol=1e-4)
+        assert torch.allclose(torch.tensor(token_logprobs(o)), expected, atol=1e-4)
+        # each position also names its top 2 candidates, and the prompt token's rank among all
+        top_v, top_i = ref.topk(2, dim=-1)
+        for pos, entry in enumerate(o.prompt_logprobs[1:]):
+            chosen = entry[p[pos + 1]]
+            assert chosen.rank == int((ref[pos] > ref[pos, p[pos + 1]]).sum()) + 1
+            for r in range(2):
+                tok = int(top_i[pos, r])
+                assert tok in entry and abs(entry[tok].logprob - float(top_v[pos, r])) < 1e-4
+                assert entry[tok].rank == r + 1

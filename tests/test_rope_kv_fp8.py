@@ -154,14 +154,15 @@ def test_gpu_demo_model_fp8_kv_logprobs_match_the_torch_backend():
     kernels and the torch reference backend (same cache format) agree and stay near the bf16 cache's;
     greedy decoding (the decode kernel, in CUDA graphs) follows the reference's tokens."""
     from ridge import LLM, SamplingParams
+    from ridge.eval_ppl import token_logprobs
     ids = [list(range(5, 300, 3)), list(range(40, 400, 7))]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     got, tokens = {}, {}
     for name, kw in (("bf16", dict()), ("torch", dict(kv_cache_dtype="fp8", attention_backend="torch")),
                      ("triton", dict(kv_cache_dtype="fp8"))):
         llm = LLM(dtype="bfloat16", enforce_eager=name != "triton", kv_cache_memory=2**28, **kw)
         outs = llm.generate(ids, params, use_tqdm=False)
-        got[name] = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
+        got[name] = torch.tensor([lp for o in outs for lp in token_logprobs(o)])
         outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
         tokens[name] = [o.outputs[0].token_ids for o in outs]
         del llm

@@ -4,7 +4,6 @@ timeout, the connection cap, and the drain on SIGTERM. Real servers in subproces
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -15,6 +14,8 @@ import time
 
 import httpx
 import pytest
+
+from server_support import ServeProcess
 
 READ_TIMEOUT = 1.0
 DRAIN = 3.0
@@ -36,39 +37,10 @@ sys.exit(main(sys.argv[1:]))
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, model: str, log_path, *flags: str):
-        self.log_path = log_path
-        self.log_file = open(log_path, "w")
-        cmd = [sys.executable, "-c", SERVE, "serve", "--model", model, "--device", "cpu", "--port", "0",
-               "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "8000000", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()))
-        self.url = None
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while self.url is None:
-            text = self.log()
-            assert self.proc.poll() is None, text[-3000:]
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text)
-            if m and "engine ready" in text:
-                self.url = m.group(1)
-            assert time.monotonic() < deadline, "the server did not start:\n" + text[-3000:]
-            time.sleep(0.1)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return "127.0.0.1", int(self.url.rsplit(":", 1)[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log_file.close()
+        super().__init__(["--model", model, "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "8000000", *flags],
+                         log_path, script=SERVE)
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,7 @@ def test_seed_and_top_k_beyond_int64_are_rejected_and_engine_stays_clean(tiny_ll
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(skip_special_tokens=1), "skip_special_tokens"),
     (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"), (dict(min_tokens=False), "min_tokens"),
     (dict(top_k=True), "top_k"), (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"), (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(temperature=True), "temperature"), (dict(max_tokens=2.0), "max_tokens"), (dict(top_k=10**400), "top_k"),
     # finite but outside the ranges the float32 sampler survives (sampling_params.py says why)
     (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(repetition_penalty=1e-3), "repetition_penalty"),

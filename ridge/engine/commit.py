@@ -37,7 +37,11 @@ class Committer:
                 length = indices[i] + 1
             req.first_token_time = req.first_token_time or now
             if seq.logprobs is not None:
-                seq.logprobs.append(self.logprob_entry(info, i, tok, req.params.logprobs))
+                chosen, rank, top_v, top_i = info
+                k = req.params.logprobs
+                seq.logprobs.append(self.logprob_entry(tok, float(chosen[i]), int(rank[i]),
+                                                       top_i[i, :k].tolist() if k else (),
+                                                       top_v[i, :k].tolist() if k else ()))
             reason = self.finish_reason(seq, tok, length)
             if reason is not None:
                 del seq.token_ids[length:]          # a later step's placeholder, if one was launched
@@ -68,14 +72,22 @@ class Committer:
             return "length"
         return None
 
-    def logprob_entry(self, info, i: int, tok: int, k: int) -> dict[int, Logprob]:
-        """The sampled token and the top-k candidates, each named by the text it contributes
+    def record_prompt_logprobs(self, seq: Sequence, start: int, targets: list[int], info) -> None:
+        """The entries of prompt positions start, start + 1, ...: each prompt token and the top-k
+        candidates there (`info`: logprob_info of `targets`, on the host, k columns). Read as
+        lists once: a scoring request has an entry per prompt token, not per step."""
+        k = seq.request.params.prompt_logprobs
+        chosen, rank, top_v, top_i = (x.tolist() if x is not None else None for x in info)
+        for i, tok in enumerate(targets):
+            seq.prompt_logprobs[start + i] = self.logprob_entry(tok, chosen[i], rank[i], top_i[i] if k else (),
+                                                                top_v[i] if k else ())
+
+    def logprob_entry(self, tok: int, logprob: float, rank: int, top_ids=(), top_values=()) -> dict[int, Logprob]:
+        """The token and its top candidates (best first), each named by the text it contributes
         (TokenTexts: one cached lookup per id, whatever the sequence's length)."""
-        chosen, rank, top_v, top_i = info
         texts = self.token_texts
-        entry = {tok: Logprob(float(chosen[i]), int(rank[i]), *texts(tok))}
-        if k:
-            for r, (t, v) in enumerate(zip(top_i[i, :k].tolist(), top_v[i, :k].tolist()), start=1):
-                if t not in entry:
-                    entry[t] = Logprob(v, r, *texts(t))
+        entry = {tok: Logprob(logprob, rank, *texts(tok))}
+        for r, (t, v) in enumerate(zip(top_ids, top_values), start=1):
+            if t not in entry:
+                entry[t] = Logprob(v, r, *texts(t))
         return entry

@@ -134,9 +134,8 @@ class Engine:
             return []
         self._count_scheduled(sched)
         fwd = self.runner.execute(sched)                   # logits: one row per sequence that samples
-        for seq, positions, values in fwd.prompt_logprobs:
-            for p, v in zip(positions, values):
-                seq.prompt_logprobs[p] = v
+        for seq, start, targets, info in fwd.prompt_logprobs:
+            self.committer.record_prompt_logprobs(seq, start, targets, info)
         items = [item for item in sched.scheduled if item.samples]
         self._advance(sched)
         decoding = len(items) == len(sched.scheduled) and all(i.num_new_tokens == 1 + i.num_draft for i in items)

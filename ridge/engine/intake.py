@@ -11,7 +11,7 @@ from tokenizers.decoders import DecodeStream
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.prompts import PromptEncoder, TokenizedPrompt
-from ridge.engine.request import Request, Sequence, SeqStatus
+from ridge.engine.request import ContextLengthError, Request, Sequence, SeqStatus
 from ridge.engine.sampling_params import SamplingParams, _is_int
 
 
@@ -34,15 +34,16 @@ class Intake:
         text, token_ids = self.tokenize(prompt)
         max_len, n_prompt = self.cfg.max_model_len, len(token_ids)
         if n_prompt >= max_len:
-            raise ValueError(f"prompt: {n_prompt} tokens leave no room for output within max_model_len={max_len}")
+            raise ContextLengthError(f"prompt: {n_prompt} tokens leave no room for output within "
+                                     f"max_model_len={max_len}")
         room = max_len - n_prompt
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
-            raise ValueError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
-                             f"(max_model_len={max_len}, prompt={n_prompt})")
+            raise ContextLengthError(f"max_tokens: {max_tokens} exceeds the {room} tokens left in the context "
+                                     f"(max_model_len={max_len}, prompt={n_prompt})")
         if (pages := self.pages_for(n_prompt + max_tokens)) > self.cfg.num_pages:
-            raise ValueError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} KV pages, "
-                             f"but the cache holds {self.cfg.num_pages}")
+            raise ContextLengthError(f"max_tokens: prompt + max_tokens = {n_prompt + max_tokens} tokens need {pages} "
+                                     f"KV pages, but the cache holds {self.cfg.num_pages}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -54,7 +55,7 @@ class Intake:
             seq = Sequence(next(self._ids), req, j, list(token_ids), len(token_ids), seed=seed,
                            status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
                            logprobs=[] if params.logprobs is not None else None,
-                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs and j == 0 else None)
+                           prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None and j == 0 else None)
             if self.tokenizer is not None:      # emits text once a whole UTF-8 piece is known
                 seq.detokenizer = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             req.seqs.append(seq)

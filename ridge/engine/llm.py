@@ -52,6 +52,8 @@ class LLM:
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
+        # id -> (the text it contributes, its bytes), as logprobs name tokens; thread safe (a cache of pure results)
+        self.token_texts = self.engine.committer.token_texts
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, *, parse_special_tokens: bool = False) -> list[RequestOutput]:

@@ -25,6 +25,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ridge.engine.request import ContextLengthError
+
 _SHRINK_FREE_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
 
 
@@ -83,9 +85,9 @@ class PromptEncoder:
 
     def check_length(self, chars: int, what: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:
-            raise ValueError(f"{what}: {chars} characters cannot fit in max_model_len={self.max_model_len} tokens "
-                             f"(no token of this tokenizer is longer than {self.max_chars // self.max_model_len} "
-                             f"characters)")
+            raise ContextLengthError(f"{what}: {chars} characters cannot fit in max_model_len={self.max_model_len} "
+                                     f"tokens (no token of this tokenizer is longer than "
+                                     f"{self.max_chars // self.max_model_len} characters)")
 
     def _render(self, messages: list[dict]) -> str:
         try:

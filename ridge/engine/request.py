@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from ridge.engine.sampling_params import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) that the context, or the KV cache, cannot hold: a
+    ValueError like any bad request, told apart for clients (OpenAI's context_length_exceeded)."""
+
+
 class SeqStatus(enum.Enum):
     UNBORN = "unborn"        # sample > 0 of a request, waiting for sample 0's prefill to fork from
     WAITING = "waiting"
@@ -48,7 +53,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""
     detokenizer: object = None
-    prompt_logprobs: list[float | None] | None = None   # by position; position 0 has none
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # by position; position 0 has none
     # Trailing entries of token_ids that are placeholders for ids sampled by a step still on the
     # GPU (the engine's overlapped decode); they count as tokens for scheduling and sampling.
     num_pending: int = 0
@@ -122,7 +127,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[float | None] | None = None
+    # by prompt position (None at 0): the prompt token and the top-k candidates, as in `logprobs`
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
 
     @classmethod

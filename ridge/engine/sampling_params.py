@@ -36,7 +36,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
-    prompt_logprobs: bool = False    # log p(prompt token | tokens before it), for scoring text
+    # scoring text, vLLM's: each prompt token's log p given the tokens before it (position 0 has
+    # none) and the top k candidates there; None: off (0: the prompt token's own only)
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)   # `stop` as a list
 
     def __post_init__(self):
@@ -55,7 +57,7 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name}: {rule}, got {repr(getattr(self, name)) if got is None else got}")
 
-        mt, mn, lp, ids = self.max_tokens, self.min_tokens, self.logprobs, self.stop_token_ids
+        mt, mn, ids = self.max_tokens, self.min_tokens, self.stop_token_ids
         need(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         need(max_n is None or self.n <= max_n, "n", f"must be <= {max_n} (the engine's max_n and max_num_seqs)")
         t_lo, t_hi = TEMPERATURE_RANGE
@@ -78,9 +80,10 @@ class SamplingParams:
              type(ids).__name__)
         for t in ids or []:
             need(_is_int(t) and t >= 0, "stop_token_ids", "must be non-negative integers", repr(t))
-        need(lp is None or _is_int(lp) and 0 <= lp <= MAX_LOGPROBS, "logprobs",
-             f"must be an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "skip_special_tokens", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):
+            need(getattr(self, name) is None or _is_int(k := getattr(self, name)) and 0 <= k <= MAX_LOGPROBS, name,
+                 f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "skip_special_tokens"):
             need(isinstance(getattr(self, name), bool), name, "must be true or false")
         # presence/frequency subtract at most 2 x a token's count (<= the context length): no overflow
         for name in ("presence_penalty", "frequency_penalty"):

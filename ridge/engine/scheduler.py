@@ -112,7 +112,7 @@ class Scheduler:
             if seats(seq) > free:
                 break
             # a request scoring its prompt must compute every prompt token: no cache hits
-            hits = [] if seq.request.params.prompt_logprobs else self.pages.match_prefix(seq)
+            hits = [] if seq.request.params.prompt_logprobs is not None else self.pages.match_prefix(seq)
             computed = len(hits) * self.pages.page_size
             n = min(seq.num_tokens - computed, budget)
             if self.pages.pages_needed(seq, n, hits) > self.pages.num_free_pages:

@@ -181,7 +181,7 @@ def collect_input_stats(llm, windows: list[list[int]], show_progress: bool = Tru
     handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
     try:
         # prompt_logprobs keeps the windows off the prefix cache: every position runs the model
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=True)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
         llm.generate(windows, params, use_tqdm=show_progress)
     finally:
         for h in handles:

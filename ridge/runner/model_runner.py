@@ -22,7 +22,7 @@ from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.layers.attention import select_backend
-from ridge.layers.sampler import SamplingBatch, sample
+from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
 from ridge.models.loader import load_model
 
 log = logging.getLogger("ridge")
@@ -35,8 +35,9 @@ _SCORE_ROWS = 1024
 class ForwardOutput:
     logits: torch.Tensor                        # [rows that sample, vocab] float32
     static_decode: bool = False                 # served by the static decode path (graph replay)
-    # (sequence, prompt positions, log p(token at position | tokens before)) for scoring requests
-    prompt_logprobs: list[tuple[object, list[int], list[float]]] = field(default_factory=list)
+    # (sequence, first prompt position, the prompt tokens from there, logprob_info of them given the
+    # tokens before each, on the host) for requests that score their prompt
+    prompt_logprobs: list[tuple[object, int, list[int], tuple]] = field(default_factory=list)
 
 
 def slot_of(page_table: list[int], position: int, page_size: int) -> int:
@@ -244,12 +245,12 @@ class ModelRunner:
             last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
             if seq.prompt_logprobs is None or last <= item.start:
                 continue
-            row0, targets, values = meta.query_start_loc_cpu[i], seq.token_ids[item.start + 1:last + 1], []
+            row0, targets = meta.query_start_loc_cpu[i], seq.token_ids[item.start + 1:last + 1]
             for lo in range(0, len(targets), _SCORE_ROWS):
                 tgt = targets[lo:lo + _SCORE_ROWS]
-                logp = torch.log_softmax(self.model.compute_logits(hidden[row0 + lo:row0 + lo + len(tgt)]), dim=-1)
-                values += logp.gather(1, self.to_device(tgt, torch.int64)[:, None]).squeeze(1).tolist()
-            out.prompt_logprobs.append((seq, list(range(item.start + 1, last + 1)), values))
+                logits = self.model.compute_logits(hidden[row0 + lo:row0 + lo + len(tgt)])
+                info = logprob_info(logits, self.to_device(tgt, torch.int64), seq.request.params.prompt_logprobs)
+                out.prompt_logprobs.append((seq, item.start + 1 + lo, tgt, info_on_host(info)))
         return out
 
     def tokens_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -1,10 +1,14 @@
 """ridge's OpenAI-compatible HTTP server (`ridge serve`).
 
-    protocol.py       pydantic models of the OpenAI requests and responses
+    request_models.py pydantic models of the requests, built for the served model's limits
+    protocol.py       pydantic models of the OpenAI responses
+    openapi.py        /openapi.json from those models
     errors.py         the OpenAI error shape, and the mapping of every failure onto a 4xx/5xx
     config.py         ServerConfig: the server's own caps and settings
     engine_client.py  the engine thread (sole owner of the engine) and its asyncio front end
-    openai_serving.py /v1/completions and /v1/chat/completions: params, streaming, usage
+    openai_serving.py what the endpoints share: engine requests, params, collecting, streaming, usage
+    serving_completions.py  /v1/completions (echo, prompt logprobs)
+    serving_chat.py   /v1/chat/completions
     metrics.py        Prometheus metrics
     middleware.py     API-key check and the request-body size limit
     app.py            the FastAPI app: routes, error handlers, lifespan

@@ -1,11 +1,13 @@
 """The FastAPI app: routes, error handlers and the engine's lifetime.
 
     POST /v1/completions, POST /v1/chat/completions, GET /v1/models   (API key if one is set)
-    GET /health    200 when the engine is ready, 503 while it loads or after it died
-    GET /metrics   Prometheus text format
+    GET /health         200 when the engine is ready, 503 while it loads or after it died
+    GET /metrics        Prometheus text format
+    GET /openapi.json   the API's schema, from the models that validate requests; /docs shows it
 
-Bodies are parsed by the routes themselves (strict pydantic on the raw bytes) so that malformed
-JSON and schema errors get the OpenAI error shape and a 400, not FastAPI's 422.
+Bodies are parsed by the routes themselves (strict pydantic on the raw bytes, with the request
+models of the served model's limits) so that malformed JSON and schema errors get the OpenAI
+error shape and a 400, not FastAPI's 422; a Content-Type other than JSON gets a 415.
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ from ridge.server.engine_client import DEAD, LOADING, EngineClient, EngineUnavai
 from ridge.server.errors import APIError, from_validation_error
 from ridge.server.metrics import CONTENT_TYPE, ServerMetrics
 from ridge.server.middleware import APIKeyGate, BodyLimit, StatusCounter
-from ridge.server.openai_serving import OpenAIServing
-from ridge.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ridge.server.openapi import openapi_document
+from ridge.server.protocol import ModelCard, ModelList
+from ridge.server.request_models import RequestLimits, RequestModels, request_models
+from ridge.server.serving_chat import ChatServing
+from ridge.server.serving_completions import CompletionServing
 
 log = logging.getLogger("ridge.server")
 _PARSE_ON_LOOP_BYTES = 64 << 10
@@ -35,7 +40,15 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
     (/health: 503) while the model loads."""
     client = EngineClient(engine_factory, tokenizer_workers=cfg.tokenizer_pool_size)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.ready)
-    serving = OpenAIServing(client, metrics, cfg)
+    completion, chat = CompletionServing(client, metrics, cfg), ChatServing(client, metrics, cfg)
+
+    def served_models() -> RequestModels:
+        """The request models of the served model's limits (the server's caps alone until it loads)."""
+        info, limits = client.model, dict(max_logprobs=cfg.max_logprobs, max_stop=cfg.max_stop,
+                                          max_stop_chars=cfg.max_stop_chars, max_prompts=cfg.max_prompts)
+        if info is not None:
+            limits.update(max_n=info.max_n, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+        return request_models(RequestLimits(**limits))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,7 +56,17 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
         yield
         client.stop()
 
-    app = FastAPI(title="ridge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ridge", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = openapi_document(app, served_models(), cfg.model_name, secured=cfg.api_key is not None)
+            if client.model is None:
+                return doc                  # the engine's limits join once it has loaded
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.config = cfg
@@ -70,6 +93,11 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
         """A large body is parsed in a tokenizer worker: parsing holds the GIL ~1 ms per MB
         either way, but on the event loop it would also hold back every stream's next event
         until the parse (and any others queued beside it) were done."""
+        media = request.headers.get("content-type")
+        if media is not None and not _is_json(media):
+            shown = media if len(media) <= 64 else media[:61] + "..."
+            raise APIError(415, f"content-type: expected application/json, got {shown!r}", "content-type",
+                           "unsupported_media_type")
         body = await request.body()
         if len(body) < _PARSE_ON_LOOP_BYTES:
             return _parse(model, body)
@@ -77,11 +105,11 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(await parsed(CompletionRequest, request), request)
+        return await completion(await parsed(served_models().completion, request), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.chat(await parsed(ChatCompletionRequest, request), request)
+        return await chat(await parsed(served_models().chat, request), request)
 
     @app.get("/v1/models")
     async def models():
@@ -104,6 +132,11 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _is_json(media: str) -> bool:
+    kind = media.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _parse(model: type[BaseModel], body: bytes):

@@ -88,6 +88,7 @@ class ModelInfo:
     path: str
     max_model_len: int
     vocab_size: int
+    max_n: int                  # samples one request may ask for
 
 
 @dataclass
@@ -176,6 +177,11 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def token_texts(self, ids: list[int]) -> list[tuple[str | None, bytes | None]]:
+        """Each id's name and bytes (ridge.engine.token_text), as the engine names logprobs."""
+        texts = self._llm.token_texts
+        return [texts(t) for t in ids]
+
     async def run_in_worker(self, fn, *args):
         """`fn(*args)` in a tokenizer worker thread (work that grows with a request's bytes)."""
         return await self._loop.run_in_executor(self._pool, fn, *args)
@@ -202,7 +208,8 @@ class EngineClient:
         try:
             self._llm = self.factory()
             cfg = self._llm.engine.cfg
-            self.model = ModelInfo(cfg.model, cfg.max_model_len, self._llm.engine.model_cfg.vocab_size)
+            self.model = ModelInfo(cfg.model, cfg.max_model_len, self._llm.engine.model_cfg.vocab_size,
+                                   min(cfg.max_n, cfg.max_num_seqs))
             self.stats = self._llm.engine.stats()
             # What loading made (the model, the tokenizer, transformers' and torch's modules:
             # some 400k objects) lives as long as the process; a full collection would walk it all

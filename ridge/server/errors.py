@@ -10,11 +10,22 @@ import re
 
 from fastapi.responses import JSONResponse
 
+from ridge.server.protocol import ErrorDetail, ErrorResponse
+
 MAX_MESSAGE_CHARS = 400
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
-          503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          500: "internal_server_error", 503: "service_unavailable_error"}
+
+# The codes of the 400s that answer a request valid by the OpenAPI schema: what no schema states.
+SCHEMA_VALID_REFUSALS = {
+    "context_length_exceeded": "the prompt's tokens (plus max_tokens) do not fit in the context, or their KV pages "
+                               "in the cache",
+    "conflicting_parameters": "values that each pass but not together: min_tokens above max_tokens, best_of "
+                              "other than 1 or n (and the combinations the schema's if/then rules state)",
+}
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 # what a union-typed field accepts, said once instead of one complaint per alternative
 _EXPECTED = {
@@ -22,7 +33,11 @@ _EXPECTED = {
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
 }
+# a number whose range has a hole: one statement of it, not one complaint per piece
+_RANGES = {"temperature": "must be 0 (greedy) or in [1e-20, 2]"}
 _PARAM_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+# pydantic's error types that say an alternative of a union does not fit (not a broken bound)
+_MISMATCH = ("literal_error", "is_instance_of", "none_required", "enum", "missing")
 
 
 class APIError(Exception):
@@ -36,7 +51,8 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
 
     def response(self, headers: dict | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -50,15 +66,15 @@ def bad_request(param: str | None, why: str, code: str = "invalid_parameter") ->
     return APIError(400, f"{param}: {why}" if param else why, param, code)
 
 
-def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
+def from_value_error(e: ValueError, rename: dict[str, str] | None = None, code: str = "invalid_parameter") -> APIError:
     """The engine's ValueError ("<param>: why") as a 400, the parameter spelled as this endpoint
     spells it (chat says top_logprobs where the engine says logprobs)."""
     text = str(e)
     m = _PARAM_PREFIX.match(text)
     if m is None:
-        return APIError(400, text, None, "invalid_parameter")
+        return APIError(400, text, None, code)
     param = (rename or {}).get(m.group(1), m.group(1))
-    return bad_request(param, text[m.end():])
+    return bad_request(param, text[m.end():], code)
 
 
 def from_validation_error(errors: list[dict]) -> APIError:
@@ -71,12 +87,26 @@ def from_validation_error(errors: list[dict]) -> APIError:
         return bad_request("body", f"malformed JSON ({err.get('msg', '')})", code="invalid_json")
     path, field, union = _param_path(err.get("loc", ()))
     if not path:
+        if kind in SCHEMA_VALID_REFUSALS:       # a rule over several fields: its message names the first
+            return from_value_error(ValueError(err.get("msg", "")), code=kind)
         return bad_request("body", "must be a JSON object" if kind == "model_type" else err.get("msg", "invalid"))
     if kind == "missing":
         return bad_request(path, "is required")
-    if union and field in _EXPECTED:
-        return bad_request(path, f"expected {_EXPECTED[field]}")
+    if union:
+        # one error per alternative: a bound broken by the alternative whose type matched says most
+        same = [e for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
+        broken = next((e for e in same if not _mismatch(e.get("type", ""))), None)
+        if field in _RANGES:
+            return bad_request(path, _RANGES[field])
+        if broken is None and field in _EXPECTED:
+            return bad_request(path, f"expected {_EXPECTED[field]}")
+        if broken is not None:
+            return bad_request(_param_path(broken.get("loc", ()))[0], broken.get("msg", "invalid value"))
     return bad_request(path, err.get("msg", "invalid value"))
+
+
+def _mismatch(kind: str) -> bool:
+    return kind.endswith("_type") or kind in _MISMATCH
 
 
 def _param_path(loc) -> tuple[str, str | None, bool]:

@@ -1,106 +1,13 @@
-"""pydantic models of the OpenAI protocol, requests and responses.
-
-Requests are parsed strictly (a string is not a number, 1.5 is not an integer, NaN and
-infinities are refused) and every integer must fit in int64, since sampling parameters end up
-in int64 tensors. Unknown fields are ignored as OpenAI-compatible servers do; fields OpenAI
-defines whose non-default values ridge cannot honour are refused by the serving layer rather
-than silently ignored. Extra sampling fields that vLLM also takes (top_k, min_p, min_tokens,
-repetition_penalty, ignore_eos) are accepted; the openai client sends them through extra_body.
+"""pydantic models of the OpenAI protocol's responses (the requests are ridge.server.request_models):
+/openapi.json describes every response with them. Fields beyond OpenAI's are vLLM's
+(prompt_logprobs) or ridge's (ModelCard's max_model_len and vocab_size).
 """
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from ridge.engine.prompts import CHAT_ROLES
-
-Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
-Temperature = Annotated[float, Field(le=2.0)]     # OpenAI's range is [0, 2]; the engine checks >= 0
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-
-class StreamOptions(_Request):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Request):
-    model: str | None = None
-    n: Int64 = 1
-    temperature: Temperature | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    seed: Int64 | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Int64 | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None                              # accepted and ignored
-    logit_bias: dict[str, float] | None = None           # refused unless empty
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Int64 | None = 16
-    logprobs: Int64 | None = None
-    echo: bool = False                                   # refused if true
-    suffix: str | None = None                            # refused if set
-    best_of: Int64 | None = None                         # refused unless 1 or n
-    parse_special_tokens: bool = False                   # ridge's: "<|eos|>" in the prompt is the EOS token
-
-
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal[CHAT_ROLES]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict] | None = None                 # refused unless empty (no tool calling)
-
-    def as_template_input(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        msg = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            msg["name"] = self.name
-        return msg
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Int64 | None = None                      # None: up to the context; OpenAI deprecated it for
-    max_completion_tokens: Int64 | None = None           # this one, which wins when both are set
-    logprobs: bool = False
-    top_logprobs: Int64 | None = None
-    tools: list[dict] | None = None                      # refused unless empty
-    response_format: dict | None = None                  # refused unless {"type": "text"}
-    # OpenAI fields this server does not implement: refused (UNSUPPORTED_CHAT), never ignored
-    functions: list[dict] | None = None
-    function_call: str | dict | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    modalities: list[str] | None = None
-    audio: dict | None = None
-    prediction: dict | None = None
-
-
-# chat field -> the values of it that ask for nothing this server lacks
-UNSUPPORTED_CHAT = {"functions": (None, []), "function_call": (None, "none", "auto"),
-                    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None,),
-                    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,)}
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -115,10 +22,17 @@ class Usage(_Response):
 
 
 class CompletionLogprobs(_Response):
+    """With echo the prompt's tokens come first; the first has no logprob (null, as in vLLM)."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int] | None = None
+
+
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int
+    decoded_token: str | None
 
 
 class CompletionChoice(_Response):
@@ -126,6 +40,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: by prompt position (null at 0), the prompt token and the top-k candidates by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):
@@ -205,3 +121,14 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail

@@ -1,0 +1,240 @@
+"""The request bodies of /v1/completions and /v1/chat/completions as pydantic models, built for
+the served model's limits. The same classes validate every request and generate /openapi.json
+(ridge.server.openapi), so the schema states what the server accepts: value ranges, the caps of
+ServerConfig, and, once the engine has loaded, n <= max_n, token ids below the vocabulary size and
+at most max_model_len - 1 of them. What no schema can state (a prompt's length in tokens against
+the context; min_tokens against max_tokens) is refused with an error code the schema lists.
+
+Parsing is strict: a string is not a number, true is not 1, NaN and infinities are refused, and
+every integer fits in int64 (sampling parameters end up in int64 tensors). One leniency: a
+whole-number float is an integer (2.0, as JSON Schema counts it and vLLM accepts it); 2.5 is not.
+Unknown fields are ignored, as OpenAI-compatible servers do; a field OpenAI defines whose
+non-default values ridge cannot honour takes only the values it can (`only`), so it is refused,
+never silently ignored. Extra sampling fields that vLLM also takes (top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, prompt_logprobs) are accepted; the openai client sends them
+through extra_body.
+
+This module evaluates its annotations when each class is made (no `from __future__ import
+annotations`): the limits are values of the function that builds the classes.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
+
+from ridge.engine.prompts import CHAT_ROLES
+from ridge.engine.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+CONFLICT = "conflicting_parameters"      # the error code of a combination of values that is refused
+UNSUPPORTED = "is not supported by this server"
+
+
+def _whole_number(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(lo: int = INT64[0], hi: int | None = None):
+    """An int64 in [lo, hi]; a whole-number float counts."""
+    return Annotated[int, Field(ge=lo, le=INT64[1] if hi is None else hi), BeforeValidator(_whole_number)]
+
+
+def number(lo: float, hi: float, above: bool = False):
+    return Annotated[float, Field(gt=lo) if above else Field(ge=lo), Field(le=hi)]
+
+
+def only(kind, *allowed, why: str = UNSUPPORTED):
+    """A field of type `kind` that takes only the `allowed` values (what asks for nothing this
+    server lacks); the schema lists them."""
+    def check(value):
+        if value not in allowed:
+            raise PydanticCustomError("unsupported_value", why)
+        return value
+    return Annotated[kind, AfterValidator(check), WithJsonSchema({"enum": list(allowed)})]
+
+
+SET = object()                            # Needs' value for "anything but null"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """A request whose `field` is `value` (SET: anything but null) must set `other` to true.
+    Checked on every request and stated in the schema as an if/then."""
+    field: str
+    value: object
+    other: str
+
+    def applies(self, req) -> bool:
+        v = getattr(req, self.field)
+        return v is not None if self.value is SET else v == self.value
+
+    def schema(self) -> dict:
+        cond = {"not": {"type": "null"}} if self.value is SET else {"const": self.value}
+        return {"if": {"properties": {self.field: cond}, "required": [self.field]},
+                "then": {"properties": {self.other: {"const": True}}, "required": [self.other]}}
+
+    def error(self) -> PydanticCustomError:
+        what = "" if self.value is SET else f"{self.value!r} "
+        return conflict(self.field, f"{what}is only allowed when {self.other} is true")
+
+
+NEEDS_STREAM = Needs("stream_options", SET, "stream")
+# fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
+NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)
+NO_CALL_CHOICE = only(str | dict | None, None, "none", "auto")
+TEXT_FORMAT = only(dict | None, None, {"type": "text"}, why='only {"type": "text"} is supported by this server')
+
+
+def conflict(param: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError(CONFLICT, f"{param}: {why}")
+
+
+def _needs_schema(schema: dict, cls) -> None:
+    if cls.NEEDS:
+        schema["allOf"] = [r.schema() for r in cls.NEEDS]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", json_schema_extra=_needs_schema)
+    NEEDS: ClassVar[tuple[Needs, ...]] = ()
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        for rule in type(self).NEEDS:
+            if rule.applies(self) and getattr(self, rule.other) is not True:
+                raise rule.error()
+        return self
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal[CHAT_ROLES]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: NO_TOOLS = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What bounds a request: the server's caps (ServerConfig) and, once the engine has loaded,
+    its own (None before)."""
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_prompts: int = 16
+    max_n: int | None = None
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    completion: type[BaseModel]
+    chat: type[BaseModel]
+
+
+@lru_cache(maxsize=8)
+def request_models(lim: RequestLimits) -> RequestModels:
+    """The request classes for these limits (one pair per distinct limits)."""
+    top_len = lim.max_model_len - 1 if lim.max_model_len is not None else None
+    tokens = integer(1, top_len)                             # a count of tokens to generate
+    token_id = integer(0, lim.vocab_size - 1 if lim.vocab_size is not None else None)
+    token_ids = Annotated[list[token_id], Field(min_length=1, max_length=top_len)]
+    text = Annotated[str, Field(min_length=1)]
+    stop_string = Annotated[str, Field(min_length=1, max_length=lim.max_stop_chars)]
+    top_count = integer(0, lim.max_logprobs)             # logprobs candidates at a position
+    t_lo = TEMPERATURE_RANGE[0]
+
+    class _SamplingFields(_Request):
+        model: str | None = None                             # the served name (any other: 404)
+        n: integer(1, lim.max_n) = 1
+        # 0 is greedy; a positive temperature below t_lo would overflow the float32 sampler
+        temperature: Literal[0] | number(t_lo, 2.0) | None = None
+        top_p: number(0.0, 1.0, above=True) | None = None
+        top_k: integer(-1) | None = None                     # -1 or 0: off
+        min_p: number(0.0, 1.0) | None = None
+        seed: integer() | None = None
+        stop: stop_string | Annotated[list[stop_string], Field(max_length=lim.max_stop)] | None = None
+        presence_penalty: number(-2.0, 2.0) | None = None
+        frequency_penalty: number(-2.0, 2.0) | None = None
+        repetition_penalty: number(*REPETITION_PENALTY_RANGE) | None = None
+        min_tokens: integer(0, top_len) | None = None
+        ignore_eos: bool = False
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+        user: str | None = None                              # accepted and ignored
+        logit_bias: only(dict[str, float] | None, None, {}) = None
+
+        def _check_min_tokens(self, max_tokens: int | None, name: str) -> None:
+            if self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens:
+                raise conflict("min_tokens", f"must be <= {name} ({max_tokens}), got {self.min_tokens}")
+
+    class CompletionRequest(_SamplingFields):
+        NEEDS = (NEEDS_STREAM, Needs("max_tokens", 0, "echo"))
+        prompt: (text | token_ids | Annotated[list[text], Field(min_length=1, max_length=lim.max_prompts)]
+                 | Annotated[list[token_ids], Field(min_length=1, max_length=lim.max_prompts)])
+        # 0 with echo: score the prompt only, generate nothing (vLLM's meaning)
+        max_tokens: integer(0, top_len) | None = 16
+        logprobs: top_count | None = None
+        echo: bool = False                                   # the prompt (and its logprobs) before the completion
+        prompt_logprobs: top_count | None = None              # vLLM's: each prompt token's, and the top k
+        suffix: only(str | None, None) = None
+        best_of: integer(1, lim.max_n) | None = None         # only 1 or n: nothing is sampled to discard
+        parse_special_tokens: bool = False                   # ridge's: "<|eos|>" in the prompt is the EOS token
+
+        @model_validator(mode="after")
+        def _counts(self):
+            if self.best_of is not None and self.best_of not in (1, self.n):
+                raise conflict("best_of", f"must be 1 or n ({self.n}): this server does not sample to discard")
+            self._check_min_tokens(self.max_tokens, "max_tokens")
+            return self
+
+    class ChatCompletionRequest(_SamplingFields):
+        NEEDS = (NEEDS_STREAM, Needs("top_logprobs", SET, "logprobs"))
+        messages: Annotated[list[ChatMessage], Field(min_length=1)]
+        max_tokens: tokens | None = None                     # None: up to the context; OpenAI deprecated it for
+        max_completion_tokens: tokens | None = None          # this one, which wins when both are set
+        logprobs: bool = False
+        top_logprobs: top_count | None = None
+        tools: NO_TOOLS = None
+        response_format: TEXT_FORMAT = None
+        functions: only(list[dict] | None, None, []) = None
+        function_call: NO_CALL_CHOICE = None
+        tool_choice: NO_CALL_CHOICE = None
+        parallel_tool_calls: only(bool | None, None) = None
+        modalities: only(list[str] | None, None, ["text"]) = None
+        audio: only(dict | None, None) = None
+        prediction: only(dict | None, None) = None
+
+        @property
+        def max_new_tokens(self) -> tuple[int | None, str]:
+            """The generation cap and the field that set it."""
+            if self.max_completion_tokens is not None:
+                return self.max_completion_tokens, "max_completion_tokens"
+            return self.max_tokens, "max_tokens"
+
+        @model_validator(mode="after")
+        def _counts(self):
+            self._check_min_tokens(*self.max_new_tokens)
+            return self
+
+    return RequestModels(CompletionRequest, ChatCompletionRequest)
