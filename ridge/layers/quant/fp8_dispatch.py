@@ -50,10 +50,15 @@ def bucket_of(m: int) -> int:
 
 def fp8_matmul(path: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ the block-scaled weight by an FP8 path: quantize x, then the GEMM."""
-    xq, xs = quantize_act_fp8(x)
+    return quantized_matmul(path, *quantize_act_fp8(x), wq, ws, x.dtype)
+
+
+def quantized_matmul(path: str, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of an FP8 path on an activation already quantized (quantize_act_fp8's layout)."""
     if path == "cublas":
-        return cublas_fp8_gemm(xq, xs, wq, ws, x.dtype)
-    return fp8_gemm(xq, xs, wq, ws, x.dtype, **TRITON_CONFIGS[path.removeprefix("triton:")])
+        return cublas_fp8_gemm(xq, xs, wq, ws, out_dtype)
+    return fp8_gemm(xq, xs, wq, ws, out_dtype, **TRITON_CONFIGS[path.removeprefix("triton:")])
 
 
 def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
