@@ -148,6 +148,23 @@ def test_empty_batches():
     assert q.shape == (0, 200) and s.shape == (0, 2)
 
 
+def test_benchmark_plan_and_bytes(capsys, monkeypatch):
+    """benchmarks/fp8_producers.py: the 8B shape at the four token counts; the separate pass moves
+    the bf16 intermediate twice more (written, read back) than the fused kernel."""
+    from tests_support import load_benchmark
+    b = load_benchmark("fp8_producers")
+    monkeypatch.delenv("OUT", raising=False)
+    plan = b.cases(b.parse_args([]))
+    assert [(c["case"], c["T"]) for c in plan] == [(c, t) for c in ("norm", "silu") for t in (1, 64, 512, 4096)]
+    assert b.fp8_bytes(3, 200) == 600 + 3 * 2 * 4
+    for c in plan:
+        k = b.HIDDEN if c["case"] == "norm" else b.INTER
+        assert c["separate"] - c["fused"] == 2 * 2 * c["T"] * k
+    assert b.case_bytes("silu", 2)["fused"] == 2 * 2 * b.INTER * 2 + b.fp8_bytes(2, b.INTER)
+    b.main(["--dry-run", "--only", "silu", "--tokens", "64"])
+    assert capsys.readouterr().out.startswith("1 cases")
+
+
 # -------------------------------------------------------------------------------------------- GPU
 HIDDEN, INTER = 4096, 14336
 ON_GPU = dict(max_steps=1, max_off=1e-3, scale_rtol=1e-6)      # the same arithmetic, Triton's `/`
