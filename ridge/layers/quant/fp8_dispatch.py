@@ -13,6 +13,9 @@ operands, the activation quantization included in the FP8 ones, replayed from a 
   * "bf16": the layer's bf16 path on the dequantized weight (ridge's GEMV up to its row limit, else
     cuBLAS via F.linear),
 and keeps the fastest per bucket. A batch of M rows takes the choice of the first bucket >= M.
+The FP8 times include the quantization pass, which the projections whose producer quantizes for
+them (QKV, gate-up, down: ridge/layers/quant/fp8_linear.py) no longer run: for those the table
+leans towards bf16 where the two are close.
 The table is cached per device (RIDGE_CACHE_DIR/fp8, like the roofline's ceilings), so only the
 first start on a GPU pays for the timing (seconds for an 8B model).
 """
