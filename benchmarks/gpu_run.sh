@@ -12,6 +12,9 @@
 #                  (INT4_ARGS passes flags, e.g. --models llama3-8b) -> int4_gemm.json
 #   fp8            benchmarks/fp8_gemm.py: the block-scaled FP8 GEMM vs cuBLAS _scaled_mm (block, row-wise) and
 #                  bf16, 8B and DeepSeek-V3 shapes (FP8_ARGS passes flags, e.g. --models llama3-8b) -> fp8_gemm.json
+#   fp8-producers  benchmarks/fp8_producers.py: RMSNorm(+residual) and SiLU-and-mul with the FP8 activation
+#                  quantization fused in vs the same kernel + quantize_act_fp8, 8B shape, T = 1/64/512/4096:
+#                  time, bytes moved, fraction of copy bandwidth -> fp8_producers.json
 #   ab             benchmarks/ab.py: this tree vs the baseline export (.baseline/, written by
 #                  benchmarks/make_baseline.sh and carried along) on the 8B shape -> ab.json
 #   dummy          benchmarks/engine_ready.py: 8B-shaped engine ready time, --load-format dummy,
@@ -70,11 +73,11 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
-              tests/test_attention_fp8.py tests/test_rope_kv_fp8.py"}
+              tests/test_fp8_producers.py tests/test_attention_fp8.py tests/test_rope_kv_fp8.py"}
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -128,8 +131,9 @@ part gemv 60 200 "python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json $OUT/gemv.jso
 part fused 60 180 "python3 benchmarks/fused_kernels.py --json $OUT/fused_kernels.json"
 if has int4; then wait_ckpt; fi
 part int4 90 450 "python3 benchmarks/int4_gemm.py ${INT4_ARGS:-} --json $OUT/int4_gemm.json | tail -${INT4_TAIL:-100}"
-if has fp8; then wait_ckpt; fi
+if has fp8 || has fp8-producers; then wait_ckpt; fi
 part fp8 90 450 "python3 benchmarks/fp8_gemm.py ${FP8_ARGS:-} --json $OUT/fp8_gemm.json | tail -${FP8_TAIL:-60}"
+part fp8-producers 40 200 "python3 benchmarks/fp8_producers.py --json $OUT/fp8_producers.json | tail -12"
 if has ab; then
   wait_ckpt
   if [ -f "$BASELINE/benchmarks/fast_path.py" ]; then

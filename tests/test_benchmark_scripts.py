@@ -114,7 +114,7 @@ def test_rotating_sets_draws_fresh_sets_over_twice_l2():
 
 
 def test_kernel_benchmarks_use_the_one_timer():
-    for name in ("attention", "gemv", "fused_kernels"):
+    for name in ("attention", "gemv", "fused_kernels", "fp8_producers"):
         src = open(os.path.join(BENCH, f"{name}.py")).read()
         assert "from timing import" in src
         for other in ("do_bench", "CUDAGraph", "elapsed_time", "pdl", "SMALL_BATCH_GEMV", "write_kv", "apply_rotary",

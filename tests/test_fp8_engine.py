@@ -1,14 +1,23 @@
 """FP8 in the engine: `--kv-cache-dtype fp8` (and `--kv-cache-hadamard`) and `--quantization fp8`,
 end to end on the CPU. The Triton kernels (under the interpreter) and the torch reference agree on
 greedy outputs over an FP8 cache; the pool holds twice the pages; FP8 weights run the block-scaled
-arithmetic and stay close to the float model; bad settings are rejected by name."""
+arithmetic and stay close to the float model; the norms and SiLU-and-mul hand FP8 kernels their
+input quantized, and bf16 batches bf16, with the unfused run's tokens; bad settings are rejected by
+name."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ridge import LLM, SamplingParams
 from ridge.config import EngineConfig
 from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
 from ridge.layers.linear import Linear
+from ridge.layers import activation, norm
+from ridge.layers.quant import fp8_dispatch, fp8_linear
 from ridge.layers.quant.fp8 import dequantize_fp8_block
 from ridge.layers.quant.fp8_dispatch import BUCKETS, bucket_of
 
@@ -70,6 +79,60 @@ def test_fp8_weights_run_the_block_scaled_arithmetic(checkpoints):
     assert 0 < kl < 1e-2
 
 
+def dispatch_by_hand(llm, fp8_from: int, path: str = "triton:ptr64x128") -> int:
+    """What a GPU's measured table could say (a CPU measures none): bf16 below `fp8_from` rows, ridge's
+    FP8 kernel from there (run by the interpreter); the bf16 batches read the dequantized FP8
+    weight. Returns the number of FP8 layers."""
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.quant_method is not None]
+    for m in layers:
+        m.quant_method.paths = {b: "bf16" if b < fp8_from else path for b in BUCKETS}
+        m.weight = torch.nn.Parameter(dequantize_fp8_block(m.weight_fp8, m.weight_scale_inv, (128, 128),
+                                                           m.quant_method.float_dtype), requires_grad=False)
+    return len(layers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter")
+def test_fused_fp8_producers_give_the_unfused_tokens(checkpoints, monkeypatch):
+    """Prefill batches (61 and 5 rows) run the FP8 kernel, decode batches (4 and 1 rows) bf16. Fused:
+    each FP8 forward runs the two norms and SiLU-and-mul quantizing (no bf16 batch does), and the
+    separate quantization pass runs only for o_proj (whose producer is attention); unfused (the
+    layers answer takes_fp8 with no): four passes a layer. Greedy tokens are the same."""
+    llm = LLM(checkpoints("llama"), device="cpu", dtype="bfloat16", show_progress=False, max_model_len=64,
+              quantization="fp8", enable_prefix_caching=False)      # both runs prefill every prompt token
+    assert dispatch_by_hand(llm, fp8_from=5) == 4 * llm.engine.runner.model_cfg.num_layers
+    rows = {"norm": [], "silu": [], "separate": [], "bf16": 0}
+
+    def spy(module, name, key):
+        real = getattr(module, name)
+
+        def call(x, *args, **kw):
+            rows[key].append(x.shape[0])
+            return real(x, *args, **kw)
+        monkeypatch.setattr(module, name, call)
+    spy(norm, "rms_norm_fp8", "norm"), spy(activation, "silu_and_mul_fp8", "silu")
+    spy(fp8_dispatch, "quantize_act_fp8", "separate")
+    real_bf16 = fp8_linear.bf16_matmul
+    monkeypatch.setattr(fp8_linear, "bf16_matmul", lambda x, w: rows.__setitem__("bf16", rows["bf16"] + 1) or
+                        real_bf16(x, w))
+    tokens, counts = {}, {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(Linear, "takes_fp8", lambda self, n: False)
+            for v in rows.values():
+                v.clear() if isinstance(v, list) else None
+            rows["bf16"] = 0
+            tokens[fused] = greedy(llm) + greedy(llm, [PROMPTS[1][:5]])
+            counts[fused] = {k: (sorted(set(v)), len(v)) if isinstance(v, list) else v for k, v in rows.items()}
+    assert tokens[True] == tokens[False]
+    layers = llm.engine.runner.model_cfg.num_layers
+    fused, unfused = counts[True], counts[False]
+    assert fused["norm"] == ([5, 61], 2 * 2 * layers) and fused["silu"] == ([5, 61], 2 * layers)
+    assert fused["separate"] == ([5, 61], 2 * layers)
+    assert unfused["norm"] == unfused["silu"] == ([], 0) and unfused["separate"] == ([5, 61], 2 * 4 * layers)
+    assert fused["bf16"] == unfused["bf16"] > 0
+
+
 def test_dispatch_buckets():
     assert [bucket_of(m) for m in (1, 2, 5, 8, 9, 4096, 4097, 10**6)] == [1, 4, 8, 8, 16, 4096, 8192, 8192]
     assert list(BUCKETS) == sorted(BUCKETS)
@@ -116,3 +179,34 @@ def test_cost_follows_the_dispatch():
     small, large = (StepShape((1,) * m, (9,) * m, dtype=torch.float32) for m in (1, 64))
     assert layer.weight_precision(small).bytes == 4 and layer.weight_precision(large).name == "fp8-block128"
     assert layer.cost(large)[-1].param_bytes == 128 * 256 * (1 + 4 / 128 ** 2)
+
+
+def test_cost_of_the_fused_producers(checkpoints, monkeypatch):
+    """Where the dispatch runs an FP8 kernel, the norms before QKV / gate-up and SiLU-and-mul write
+    FP8_ACT and only o_proj states a quantization pass: against every layer quantizing its own input,
+    each of the three activations a layer saves its bf16 write and read (2 x 2 bytes an element);
+    the FLOPs are the same. Where the dispatch runs bf16, nothing quantizes."""
+    from ridge.layers.cost import FP8_ACT, StepShape
+    llm = LLM(checkpoints("llama"), device="cpu", dtype="bfloat16", show_progress=False, max_model_len=64,
+              quantization="fp8")
+    dispatch_by_hand(llm, fp8_from=5)
+    model, cfg = llm.engine.runner.model, llm.engine.runner.model_cfg
+    prefill, decode = StepShape((40, 21), (40, 21)), StepShape((1,) * 4, (9,) * 4)
+    fused = {s: model.cost(s) for s in (prefill, decode)}
+    with monkeypatch.context() as m:
+        m.setattr(Linear, "takes_fp8", lambda self, n: False)
+        unfused = {s: model.cost(s) for s in (prefill, decode)}
+    quant = [c for c in fused[prefill] if c.name == "act_quant"]
+    assert [c.module for c in quant] == [f"model.layers.{i}.self_attn.o_proj" for i in range(cfg.num_layers)]
+    assert sum(c.name == "act_quant" for c in unfused[prefill]) == 4 * cfg.num_layers
+    norm = next(c for c in fused[prefill] if c.module == "model.layers.1.input_layernorm")
+    n = 61 * cfg.hidden_size
+    assert norm.bytes == n * (3 * 2 + FP8_ACT.bytes) + 2 * cfg.hidden_size      # x, residual, residual out; weight
+    qkv = next(c for c in fused[prefill] if c.name == "qkv_proj")
+    out = model.model.layers[0].self_attn.qkv_proj.out_features
+    assert qkv.bytes - qkv.param_bytes == n * FP8_ACT.bytes + 61 * out * 2         # reads FP8, writes bf16
+    saved = sum(c.bytes for c in unfused[prefill]) - sum(c.bytes for c in fused[prefill])
+    assert saved == 61 * 2 * 2 * (2 * cfg.hidden_size + cfg.intermediate_size) * cfg.num_layers
+    assert sum(c.flops for c in unfused[prefill]) == sum(c.flops for c in fused[prefill])
+    assert [(c.name, c.bytes) for c in fused[decode]] == [(c.name, c.bytes) for c in unfused[decode]]
+    assert not any(c.name == "act_quant" for c in fused[decode])

@@ -117,11 +117,11 @@ def test_gpu_8b_shapes(m):
 
 @interpreted
 def test_e4m3_rounding_at_binade_edges_ties_and_subnormals():
-    """Values that round up into the next binade, exact ties (to even), subnormals (step 2^-9) and
-    the largest finite value: the kernel's e4m3 equals torch's, where Triton's interpreter alone
+    """Values that round up into the next binade, exact ties (to even), subnormals (step 2^-9), a
+    negative value that rounds to -0, and the largest finite value: the kernel's e4m3 equals torch's, where Triton's interpreter alone
     would turn 124.3 into 64."""
     row = torch.tensor([448.0, 124.3, -125.9, 239.9, 15.9, 0.0146, 2.0**-10, 3 * 2.0**-10, 0.0155,
-                        9.0 * 2.0**-3 * 0.5 + 1.0, 13.0, -11.0, 2.0**-7 + 2.0**-10] + [0.5] * 115)
+                        9.0 * 2.0**-3 * 0.5 + 1.0, 13.0, -11.0, 2.0**-7 + 2.0**-10, -2.0**-12] + [0.5] * 114)
     q, s = quantize_act_fp8(row[None])
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8), row[None].to(FP8).view(torch.uint8))

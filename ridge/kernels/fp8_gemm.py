@@ -58,6 +58,18 @@ def quantize_act_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def quantize_groups(x, EMULATE_RNE: tl.constexpr):
+    """x: fp32 [R, 128], one token's 128-channel group a row -> (e4m3 [R, 128], fp32 scales [R]):
+    quantize_act_fp8_ref's arithmetic, the one copy of it in Triton (the standalone pass below and
+    the producers that fuse it: ridge/kernels/rmsnorm.py, silu_mul.py). The e4m3 result goes
+    straight to memory: converting it back to fp32 in the same kernel is what Triton 3.6
+    miscompiles on Hopper (ridge/kernels/rounding.py)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+    q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    return round_to(q, tl.float8e4nv, EMULATE_RNE), scale
+
+
+@triton.jit
 def _quantize_act_kernel(X, Q, S, M, K, stride_xm, stride_qm, G: tl.constexpr, BLOCK_M: tl.constexpr,
                          EMULATE_RNE: tl.constexpr):
     """One [BLOCK_M tokens, 128 channels] tile a program: enough bytes in flight to stream (one
@@ -68,29 +80,32 @@ def _quantize_act_kernel(X, Q, S, M, K, stride_xm, stride_qm, G: tl.constexpr, B
     offs = kb * G + tl.arange(0, G)
     ok = (rows[:, None] < M) & (offs[None, :] < K)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-    q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-    tl.store(Q + rows[:, None].to(tl.int64) * stride_qm + offs[None, :], round_to(q, tl.float8e4nv, EMULATE_RNE),
-             mask=ok)
+    q, scale = quantize_groups(x, EMULATE_RNE)
+    tl.store(Q + rows[:, None].to(tl.int64) * stride_qm + offs[None, :], q, mask=ok)
     tl.store(S + kb * M + rows, scale, mask=rows < M)        # M-major: the GEMM's loads are coalesced
 
 
+def empty_act_fp8(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for a quantized activation: (e4m3 [M, K], fp32 scales [M, ceil(K / 128)] M-major, i.e. a
+    [K / 128, M] buffer seen as [M, K / 128]), the layout DeepGEMM and cuBLAS's block-scaled GEMM
+    read: one K block's scales for a tile of tokens are contiguous."""
+    q = torch.empty((m, k), dtype=FP8, device=device)
+    return q, torch.empty((triton.cdiv(k, GROUP), m), dtype=torch.float32, device=device).t()
+
+
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_act_fp8_ref as one Triton pass (CUDA tensors, or CPU under TRITON_INTERPRET=1). The
-    scales come M-major (a [K / 128, M] buffer seen as [M, K / 128]), the layout DeepGEMM and
-    cuBLAS's block-scaled GEMM read: one K block's scales for a tile of tokens are contiguous."""
+    """quantize_act_fp8_ref as one Triton pass (CUDA tensors, or CPU under TRITON_INTERPRET=1), the
+    scales M-major (empty_act_fp8's layout)."""
     if x.dim() != 2 or x.stride(1) != 1 or not x.is_floating_point():
         raise ValueError(f"quantize_act_fp8: x must be a 2-D float tensor with contiguous rows, got "
                          f"{x.dtype} {tuple(x.shape)}")
     m, k = x.shape
-    kb = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((kb, m), dtype=torch.float32, device=x.device).t()
+    q, s = empty_act_fp8(m, k, x.device)
     if m and k:
         block_m = min(32, triton.next_power_of_2(m))
-        _quantize_act_kernel[(triton.cdiv(m, block_m), kb)](x, q, s, m, k, x.stride(0), q.stride(0), G=GROUP,
-                                                            BLOCK_M=block_m, EMULATE_RNE=emulate_rne(x),
-                                                            num_warps=4)
+        _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, GROUP))](
+            x, q, s, m, k, x.stride(0), q.stride(0), G=GROUP, BLOCK_M=block_m, EMULATE_RNE=emulate_rne(x),
+            num_warps=4)
     return q, s
 
 

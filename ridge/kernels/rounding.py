@@ -44,6 +44,9 @@ def e4m3_grid(x):
     # keep 3 mantissa bits: add just under half a step, plus one if the kept lsb is odd
     normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
     sub = (x + 24576.0) - 24576.0        # below 2^-6 the e4m3 step is 2^-9: 1.5 x 2^14 rounds to it
+    # a negative x that rounds to zero came back +0 from the sum: put its sign back (e4m3 has a
+    # -0, and the hardware conversion keeps the sign)
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, sub, normal)
 
 

@@ -30,6 +30,11 @@ DTYPE_PRECISIONS = {torch.float32: Precision("fp32", 4, "fp32"), torch.bfloat16:
                     torch.float16: Precision("fp16", 2, "fp16"), torch.float8_e4m3fn: Precision("fp8", 1, "fp8")}
 
 
+# an activation quantized for an FP8 GEMM: an e4m3 byte an element plus one fp32 scale per token
+# and 128 channels (ridge/kernels/fp8_gemm.py)
+FP8_ACT = Precision("fp8-act128", 1 + 4 / 128, "fp8")
+
+
 def precision_of(dtype: torch.dtype) -> Precision:
     if dtype not in DTYPE_PRECISIONS:
         raise ValueError(f"dtype: no cost precision for {dtype}")
@@ -91,10 +96,19 @@ def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCos
 
 
 def gemm_cost(name: str, rows: int, weight: torch.Tensor | tuple[int, int], bias: torch.Tensor | None,
-              w: Precision, step: StepShape, out_bytes: float | None = None) -> OpCost:
-    """x [rows, k] @ weight[n, k]^T (+ bias), the weight (a tensor, or its (n, k) shape) stored as `w`."""
+              w: Precision, step: StepShape, out_bytes: float | None = None, in_bytes: float | None = None) -> OpCost:
+    """x [rows, k] @ weight[n, k]^T (+ bias), the weight (a tensor, or its (n, k) shape) stored as `w`;
+    x's elements `in_bytes` each (default: the activation dtype's)."""
     (n, k), a = tuple(weight.shape if isinstance(weight, torch.Tensor) else weight), step.act.bytes
     params = n * k * w.bytes + (n * bias.element_size() if bias is not None else 0)
     flops = 2 * rows * n * k + (rows * n if bias is not None else 0)
-    return OpCost(name, "gemm", flops, params + rows * k * a + rows * n * (a if out_bytes is None else out_bytes),
-                  params, compute=w.compute)
+    return OpCost(name, "gemm", flops, params + rows * k * (a if in_bytes is None else in_bytes)
+                  + rows * n * (a if out_bytes is None else out_bytes), params, compute=w.compute)
+
+
+def act_quant_cost(rows: int, k: int, step: StepShape) -> OpCost:
+    """The separate pass that quantizes an FP8 GEMM's [rows, k] input (where no producer fused it):
+    reads the activation, writes FP8_ACT; |x|, the running max, the divide and the clamp: 4 FLOPs
+    an element."""
+    n = rows * k
+    return OpCost("act_quant", "elementwise", 4 * n, n * (step.act.bytes + FP8_ACT.bytes), compute=step.act.compute)

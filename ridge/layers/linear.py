@@ -16,7 +16,10 @@ kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summatio
 
 With a quantization config (`quant`: ridge/layers/quant/int4.py, fp8_linear.py) the layer's tables,
 their loading and its GEMM belong to the method object (vLLM's LinearMethod); the Linear keeps its
-shards, bias and input activation, and states the quantized bytes in its cost.
+shards, bias and input activation, and states the quantized bytes in its cost. Where an FP8 GEMM
+serves the batch (`takes_fp8(rows)`), the kernel producing the input may quantize it on its way out:
+the input activation (forward(x, fp8=True)), or the RMSNorm wired to the layer (RMSNorm(feeds=...));
+such a layer is `fp8_producer` and states no quantization pass of its own.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
 from ridge.layers.weights import default_weight_loader, set_weight_loader
-from ridge.layers.cost import OpCost, Precision, StepShape, gemm_cost, precision_of
+from ridge.layers.cost import FP8_ACT, OpCost, Precision, StepShape, act_quant_cost, gemm_cost, precision_of
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -53,6 +56,9 @@ class Linear(nn.Module):
             self.weight = param(offset, in_features)     # FP8 at load: quantized once loaded
         self.bias = param(offset) if bias else None
         self.input_act = input_act
+        # the kernel producing the input quantizes it for an FP8 GEMM (its own input activation
+        # here; RMSNorm(feeds=self) sets it for the norm before the layer)
+        self.fp8_producer = bool(getattr(input_act, "fp8_output", False))
 
     def num_weights(self) -> int:
         """Weights (and biases) this layer stands for, however they are stored: an INT4 layer's
@@ -84,10 +90,28 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.normal_(0.0, std, generator=generator)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """input_act(x) @ weight^T (+ bias)."""
+    def _method_says(self, question: str, rows: int) -> bool:
+        """The quantization method's answer for `rows` rows; False for a method that has no FP8 path."""
+        answer = getattr(self.quant_method, question, None)
+        return answer is not None and answer(rows)
+
+    def takes_fp8(self, rows: int) -> bool:
+        """Whether the GEMM for `rows` rows is an FP8 kernel that takes its input already quantized
+        (an Fp8Activation, ridge/layers/quant/fp8_linear.py) from the kernel producing it."""
+        return self._method_says("takes_fp8", rows)
+
+    def fed_fp8(self, step: StepShape, rows: int) -> bool:
+        """Whether, in this step's cost, the producer hands the input over quantized (what-if weight
+        formats leave the activations as they are)."""
+        return self.fp8_producer and step.weights is None and self.takes_fp8(rows)
+
+    def forward(self, x):
+        """input_act(x) @ weight^T (+ bias); x may be an Fp8Activation where takes_fp8."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x if self.input_act is None else self.input_act(x))
+            if self.input_act is not None:
+                fp8 = self.fp8_producer and self.takes_fp8(x.shape[:-1].numel())
+                x = self.input_act(x, fp8=True) if fp8 else self.input_act(x)
+            return self.quant_method.apply(self, x)
         gemv_path = uses_gemv(x, self.weight)
         act = getattr(self.input_act, "gemv_act", None)
         if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
@@ -108,8 +132,15 @@ class Linear(nn.Module):
     def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
              name: str = "linear") -> list[OpCost]:
         """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
-        the input activation's ops first (they run inside this forward, or inside the GEMV)."""
+        the input activation's ops first (they run inside this forward, or inside the GEMV). An FP8
+        GEMM reads FP8_ACT; the quantization pass before it is its own op unless the producer
+        fused it (then the producer writes FP8_ACT instead of the activation dtype)."""
         rows = step.num_tokens if rows is None else rows
-        act = self.input_act.cost(step, self.in_features) if self.input_act is not None else []
-        return act + [gemm_cost(name, rows, (self.out_features, self.in_features),
-                                self.bias, self.weight_precision(step, rows), step, out_bytes)]
+        fp8_in = step.weights is None and self._method_says("quantizes_input", rows)
+        fed = fp8_in and self.fed_fp8(step, rows)
+        ops = self.input_act.cost(step, self.in_features, fp8_out=fed) if self.input_act is not None else []
+        if fp8_in and not fed:
+            ops.append(act_quant_cost(rows, self.in_features, step))
+        return ops + [gemm_cost(name, rows, (self.out_features, self.in_features), self.bias,
+                                self.weight_precision(step, rows), step, out_bytes,
+                                in_bytes=FP8_ACT.bytes if fp8_in else None)]

@@ -18,6 +18,11 @@ class GatedMLP(nn.Module):
                                    bias=bias, quant=quant)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, input_act=SiluAndMul(), quant=quant)
 
+    @property
+    def input_proj(self) -> Linear:
+        """The one projection reading the block's input (the norm before it may hand it FP8)."""
+        return self.gate_up_proj
+
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x))
 

@@ -53,6 +53,11 @@ class LlamaAttention(nn.Module):
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
 
+    @property
+    def input_proj(self) -> Linear:
+        """The one projection reading the block's input (the norm before it may hand it FP8)."""
+        return self.qkv_proj
+
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         cfg = self.cfg
         q, k, v = (t.view(-1, n, cfg.head_dim) for t, n in zip(
@@ -77,8 +82,10 @@ class LlamaDecoderLayer(nn.Module):
                           else LlamaAttention(cfg, rotary, backend))
         self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each norm feeds its block's input projection: under --quantization fp8 it quantizes its
+        # output for that GEMM where the GEMM is an FP8 kernel (ridge/layers/norm.py)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.self_attn.input_proj)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.mlp.input_proj)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)

@@ -32,6 +32,8 @@ def deinterleave(rows: int) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
+    input_proj = None       # two projections read the input (q and the latent's): no norm feeds one
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         m, H = cfg.mla, cfg.num_heads

@@ -22,6 +22,8 @@ from ridge.layers.weights import set_weight_loader
 
 
 class SparseMoeBlock(nn.Module):
+    input_proj = None       # the router, the experts and a shared expert all read the input
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe

@@ -13,6 +13,9 @@ operands, the activation quantization included in the FP8 ones, replayed from a 
   * "bf16": the layer's bf16 path on the dequantized weight (ridge's GEMV up to its row limit, else
     cuBLAS via F.linear),
 and keeps the fastest per bucket. A batch of M rows takes the choice of the first bucket >= M.
+The FP8 times include the quantization pass, which the projections whose producer quantizes for
+them (QKV, gate-up, down: ridge/layers/quant/fp8_linear.py) no longer run: for those the table
+leans towards bf16 where the two are close.
 The table is cached per device (RIDGE_CACHE_DIR/fp8, like the roofline's ceilings), so only the
 first start on a GPU pays for the timing (seconds for an 8B model).
 """
@@ -50,10 +53,15 @@ def bucket_of(m: int) -> int:
 
 def fp8_matmul(path: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ the block-scaled weight by an FP8 path: quantize x, then the GEMM."""
-    xq, xs = quantize_act_fp8(x)
+    return quantized_matmul(path, *quantize_act_fp8(x), wq, ws, x.dtype)
+
+
+def quantized_matmul(path: str, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of an FP8 path on an activation already quantized (quantize_act_fp8's layout)."""
     if path == "cublas":
-        return cublas_fp8_gemm(xq, xs, wq, ws, x.dtype)
-    return fp8_gemm(xq, xs, wq, ws, x.dtype, **TRITON_CONFIGS[path.removeprefix("triton:")])
+        return cublas_fp8_gemm(xq, xs, wq, ws, out_dtype)
+    return fp8_gemm(xq, xs, wq, ws, out_dtype, **TRITON_CONFIGS[path.removeprefix("triton:")])
 
 
 def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

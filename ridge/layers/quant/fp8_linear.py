@@ -7,8 +7,17 @@ that layer's bf16 bytes); otherwise only the e4m3 weight and its scales stay.
 
 On a CPU the product is the torch reference of the same arithmetic (quantize_act_fp8_ref,
 fp8_gemm_ref), so tests see FP8's numbers without a GPU.
+
+Where the dispatch runs an FP8 kernel for the batch, the kernel that produces the layer's input
+can quantize it on its way out (the RMSNorm before QKV and gate-up, the SiLU-and-mul before down:
+ridge/kernels/rmsnorm.py, silu_mul.py) and hand over an `Fp8Activation`: the separate quantization
+pass, which reads the bf16 activation back and writes it again, disappears. The producer asks the
+layer (`takes_fp8(rows)`) per batch; the answer is the dispatch table's for the batch's bucket, so
+it is fixed for a captured CUDA graph's batch size, and bf16 batches get bf16 as before.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,7 +25,17 @@ from torch import nn
 from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
 from ridge.layers.cost import Precision, precision_of
 from ridge.layers.quant.fp8 import quantize_fp8_block
-from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul
+from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul, quantized_matmul
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An activation its producer quantized for an FP8 GEMM: e4m3 values [M, K] and fp32 scales
+    [M, ceil(K / 128)] (quantize_act_fp8's M-major layout), and the float dtype the activation
+    would have had (the GEMM's output dtype)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 class Fp8Config:
@@ -55,19 +74,38 @@ class Fp8Linear:
     def path(self, m: int) -> str:
         return "reference" if self.paths is None else self.paths[bucket_of(m)]
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] (+ bias) by the path measured fastest for this many rows."""
-        x2 = x.reshape(-1, x.shape[-1])
-        path = self.path(x2.shape[0])
-        if path == "bf16":
-            y = bf16_matmul(x2, layer.weight)
-        elif path == "reference":
-            y = fp8_gemm_ref(*quantize_act_fp8_ref(x2), layer.weight_fp8, layer.weight_scale_inv, x.dtype)
+    def quantizes_input(self, m: int) -> bool:
+        """Whether the GEMM for m rows reads FP8 activations (every path but the bf16 one)."""
+        return self.path(m) != "bf16"
+
+    def takes_fp8(self, m: int) -> bool:
+        """Whether the GEMM for m rows is an FP8 kernel, which takes an Fp8Activation from the
+        producer; the reference (a CPU's torch path) and bf16 batches take the float activation."""
+        return self.path(m) not in ("bf16", "reference")
+
+    def apply(self, layer, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [..., K] (or an Fp8Activation [M, K]) -> [..., N] (+ bias) by the path measured fastest
+        for this many rows."""
+        if isinstance(x, Fp8Activation):
+            path = self.path(x.q.shape[0])
+            if not self.takes_fp8(x.q.shape[0]):
+                raise RuntimeError(f"Fp8Linear: a pre-quantized activation of {x.q.shape[0]} rows reached the "
+                                   f"{path!r} path, which takes the float activation (ask takes_fp8 first)")
+            y = quantized_matmul(path, x.q, x.scale, layer.weight_fp8, layer.weight_scale_inv, x.dtype)
+            lead = x.q.shape[:-1]
         else:
-            y = fp8_matmul(path, x2.contiguous(), layer.weight_fp8, layer.weight_scale_inv)
+            x2 = x.reshape(-1, x.shape[-1])
+            path = self.path(x2.shape[0])
+            if path == "bf16":
+                y = bf16_matmul(x2, layer.weight)
+            elif path == "reference":
+                y = fp8_gemm_ref(*quantize_act_fp8_ref(x2), layer.weight_fp8, layer.weight_scale_inv, x.dtype)
+            else:
+                y = fp8_matmul(path, x2.contiguous(), layer.weight_fp8, layer.weight_scale_inv)
+            lead = x.shape[:-1]
         if layer.bias is not None:
             y = y + layer.bias
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*lead, y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:
         """One byte a weight plus an fp32 scale per 128 x 128 block, FP8 tensor-core FLOPs; the bf16
