@@ -86,6 +86,53 @@ def test_expert_kernels_match_reference(T, E, k, kind, dtype):
         torch.testing.assert_close(grouped.float(), ref, **tol)
 
 
+@interpret
+@pytest.mark.parametrize("T,k", [(3, 2), (24, 2)])
+def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
+    """Weight-only FP8 experts: K (160) and 2I (288) ragged against the 128 x 128 scale blocks, and
+    a block straddling an expert's gate and up rows."""
+    from ridge.layers.moe import quantize_experts
+    g = torch.Generator().manual_seed(3 + T)
+    E, H, inter = 8, 160, 144
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w13 = quantize_experts((torch.randn(E, 2 * inter, H, generator=g) * 0.2).to(torch.bfloat16))
+    w2 = quantize_experts((torch.randn(E, H, inter, generator=g) * 0.2).to(torch.bfloat16))
+    assert w13.q.dtype == torch.float8_e4m3fn and w13.scale.shape == (E, 3, 2)
+    experts, weights = _loads(T, E, k, "uniform", g), torch.rand(T, k, generator=g)
+    ref = fused_moe_ref(x, w13, w2, weights, experts).float()
+    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 32, 4, 1),) * 2)
+    torch.testing.assert_close(small.float(), ref, atol=2e-2, rtol=2e-2)
+    grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 16, 32, 4, 1),) * 2)
+    torch.testing.assert_close(grouped.float(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="divides 128"):
+        fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 256, 4, 1),) * 2)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseekv3"])
+def test_fp8_quantization_of_moe_models(checkpoints, name):
+    """--quantization fp8 on an MoE model: the experts are held in e4m3 (their float copies freed),
+    the dense projections as FP8 linears, the router in float; the logits stay close to the float
+    model's."""
+    fp8, ref = (_moe_llm(checkpoints, name, quantization=q) for q in ("fp8", None))
+    model = fp8.engine.runner.model
+    moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
+    assert moe.w13_fp8.q.dtype == torch.float8_e4m3fn and moe.w13_weight.numel() == 0
+    block = next(m.mlp for m in model.model.layers if hasattr(m.mlp, "experts"))
+    assert block.gate.quant_method is None
+    assert moe.cost(StepShape((1,), (1,)))[1].param_bytes < \
+        next(m for m in ref.engine.runner.model.modules() if isinstance(m, FusedMoE)).cost(StepShape((1,), (1,)))[1].param_bytes
+    ids = torch.tensor(prompt_of(24))
+    lp = []
+    for llm in (fp8, ref):
+        r = llm.engine.runner
+        meta = r.metadata(list(range(len(ids))), [0, len(ids)], [len(ids)], [list(range(4))])
+        lp.append(r.model.compute_logits(r.model(ids, torch.arange(len(ids)), r.layer_caches, meta))[-1].log_softmax(-1))
+    kl = torch.sum(lp[1].exp() * (lp[1] - lp[0])).item()
+    assert 0 < kl < 2e-2, kl
+    out = fp8.generate([prompt_of(9)], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
 def test_expert_kernels_refuse_mismatched_shapes():
     x, w13, w2 = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 5)
     e, w = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)

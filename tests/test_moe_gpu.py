@@ -34,6 +34,27 @@ def test_expert_kernels_at_model_shapes(E, k, H, inter):
             assert rel < 1e-2, (T, rel)
 
 
+@pytest.mark.parametrize("E,k,H,inter", [(64, 6, 2048, 1408), (128, 8, 2048, 768)], ids=["deepseek-v2-lite", "qwen3"])
+def test_fp8_expert_kernels_at_model_shapes(E, k, H, inter):
+    """Weight-only FP8 experts (DeepSeek-V2-Lite's 1408 is not a multiple of 128) against the
+    reference on the dequantized weights."""
+    from ridge.layers.moe import quantize_experts
+    g = torch.Generator(device="cuda").manual_seed(E + 1)
+    w13 = quantize_experts((torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02).bfloat16())
+    w2 = quantize_experts((torch.randn(E, H, inter, device="cuda", generator=g) * 0.02).bfloat16())
+    for T in (1, 8, 300):
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        weights, experts = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
+        experts = experts.int()
+        ref = fused_moe_ref(x, w13, w2, weights, experts).float()
+        outs = [fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(64, 64, 64, 4, 3),) * 2)]
+        if T <= 16:
+            outs.append(fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 128, 4, 3),) * 2))
+        for out in outs:
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, (T, rel)
+
+
 @pytest.mark.parametrize("tiles", [GroupedTiles(64, 64, 64, 4, 3), GroupedTiles(16, 128, 64, 4, 4)])
 def test_grouped_top_k_sum_is_batch_invariant(tiles):
     """The down GEMM's fused top-k sum (whichever program arrives last sums in slot order): a

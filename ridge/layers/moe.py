@@ -7,6 +7,12 @@ Checkpoints store one matrix per expert and projection; each is one shard of the
 parameter (`"<expert>.gate"`, `"<expert>.up"`, `"<expert>"` for down), placed by the parameter's
 weight_loader like any merged projection's.
 
+With FP8 experts (`fp8`: the `fp8` quantization setting) each expert's matrices are quantized
+at load to e4m3 with a scale per 128 x 128 block, the HF fp8 format's (an FP8 checkpoint's
+experts load dequantized and are quantized again here, which gives back its own values where its
+blocks are 128 x 128), and the kernels dequantize tiles in registers: weight-only FP8, because
+decode, where MoE spends its time at serving batch sizes, streams the experts' bytes.
+
 On CUDA the step's routing runs in one kernel (softmax + top-k), then the path and tiles measured
 fastest for this many tokens (ridge/layers/moe_tuning.py): the small-batch expert GEMVs or the
 grouped GEMM over the pairs aligned by expert. Every kernel has fixed-size outputs for a given
@@ -24,16 +30,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
+from ridge.kernels.moe_gemm import Fp8Experts, fused_moe_grouped, fused_moe_ref, fused_moe_small
 from ridge.kernels.moe_route import route_grouped_ref, route_topk, route_topk_ref
 from ridge.layers.cost import OpCost, StepShape
+from ridge.layers.quant.fp8 import quantize_fp8_block
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, expert_size: int, renormalize: bool,
-                 grouped=None):
+                 grouped=None, fp8: bool = False):
         super().__init__()
+        self.fp8, self.w13_fp8, self.w2_fp8 = fp8, None, None       # Fp8Experts once loaded
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.grouped = grouped      # DeepSeek's routing (ridge.model_config.GroupedRouting), else softmax top-k
         self.hidden_size, self.expert_size = hidden_size, expert_size
@@ -59,11 +67,22 @@ class FusedMoE(nn.Module):
         default_weight_loader(dst, loaded)
 
     def finish_loading(self) -> None:
-        if self.w13_weight.is_cuda:
+        if self.fp8 and self.w13_fp8 is None:     # the float copies go: the FP8 ones are what the kernels read
+            self.w13_fp8, self.w2_fp8 = (quantize_experts(w.data) for w in (self.w13_weight, self.w2_weight))
+            for w in (self.w13_weight, self.w2_weight):
+                w.data = w.data.new_empty(0)
+        w13, w2 = self.weights()
+        if w13.device.type == "cuda":
             from ridge.layers.moe_tuning import moe_plan
-            self.plan = moe_plan(self.w13_weight.data, self.w2_weight.data, self.top_k)
+            self.plan = moe_plan(w13, w2, self.top_k)
+
+    def weights(self):
+        """(w13, w2) as the kernels take them: float tensors, or Fp8Experts."""
+        return (self.w13_fp8, self.w2_fp8) if self.fp8 else (self.w13_weight.data, self.w2_weight.data)
 
     def initialize_dummy(self, generator: torch.Generator, std: float) -> None:
+        if self.fp8 and self.w13_fp8 is not None:
+            raise RuntimeError("FusedMoE: FP8 experts are quantized once, after the weights are in place")
         for w in (self.w13_weight, self.w2_weight):
             w.normal_(0.0, std, generator=generator)
         self.finish_loading()
@@ -71,7 +90,7 @@ class FusedMoE(nn.Module):
     def forward(self, router_logits: torch.Tensor, x: torch.Tensor, score_bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """router_logits [T, E], x [T, H] -> sum over each token's top_k experts of weight * expert(x)."""
-        w13, w2 = self.w13_weight, self.w2_weight
+        w13, w2 = self.weights()
         if self.grouped is not None:
             weights, experts = route_grouped_ref(router_logits, self.top_k, self.renormalize, self.grouped, score_bias)
         elif x.is_cuda:
@@ -99,7 +118,8 @@ class FusedMoE(nn.Module):
         of the distinct experts the step selects (the last step's choice when it had this many
         tokens, else the uniform-routing expectation); FLOPs of the T * top_k routed pairs."""
         T, E, k, H, inter = step.num_tokens, self.num_experts, self.top_k, self.hidden_size, self.expert_size
-        a, w = step.act.bytes, self.w13_weight.element_size()
+        # an FP8 expert weight: 1 byte, plus its block's fp32 scale shared by 128 x 128 weights
+        a, w = step.act.bytes, 1 + 4 / 128 ** 2 if self.fp8 else self.w13_weight.element_size()
         counts = self.tokens_per_expert(T)
         distinct = sum(1 for c in counts if c) if counts is not None else E * (1 - (1 - k / E) ** T)
         pairs = T * k
@@ -111,3 +131,9 @@ class FusedMoE(nn.Module):
             moved += 2 * pairs * H * a      # the grouped down GEMM's weighted rows, written and summed
         load = (max(counts), pairs / E, counts.count(0)) if counts is not None else None
         return [route, OpCost("moe_experts", "gemm", flops, moved, params, compute=step.act.compute, expert_load=load)]
+
+
+def quantize_experts(w: torch.Tensor) -> Fp8Experts:
+    """Float experts [E, N, K] -> e4m3 values and 128 x 128 block scales, expert by expert."""
+    q, scale = zip(*(quantize_fp8_block(w[e]) for e in range(w.shape[0])))
+    return Fp8Experts(torch.stack(q), torch.stack(scale), w.dtype)

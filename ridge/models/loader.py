@@ -33,6 +33,7 @@ from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
 from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
+from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 
@@ -76,10 +77,10 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     # an FP8 checkpoint loads dequantized; with quantization 'fp8' it is quantized again at load, which
     # gives back its own e4m3 values where its blocks are 128 x 128 (each block's maximum is 448 x scale)
     quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
-    if cfg.moe is not None and quant is not None:
+    if cfg.moe is not None and quant is not None and not isinstance(quant, Fp8Config):
         raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} is not "
                          f"supported for mixture-of-experts models ({cfg.architecture}): ridge's expert kernels run "
-                         f"float weights")
+                         f"float or FP8 weights (quantization 'fp8')")
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it

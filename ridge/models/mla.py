@@ -40,15 +40,16 @@ class MLAttention(nn.Module):
         self.cfg, self.mla = cfg, m
         q_out = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         if m.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, q_out)
+            self.q_proj = Linear(cfg.hidden_size, q_out, quant=cfg.quant)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.o_bias)
+            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.o_bias, quant=cfg.quant)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)      # transformers' fixed eps
-            self.q_b_proj = Linear(m.q_lora_rank, q_out)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=cfg.o_bias)
+            self.q_b_proj = Linear(m.q_lora_rank, q_out, quant=cfg.quant)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=cfg.o_bias,
+                                         quant=cfg.quant)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim))
-        self.o_proj = Linear(H * m.v_head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(H * m.v_head_dim, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant)
         self.attn = LatentAttention(H, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                     m.softmax_scale, rotary, backend)
 

@@ -18,6 +18,7 @@ from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.moe import FusedMoE
+from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.weights import set_weight_loader
 
 
@@ -29,7 +30,7 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize,
-                                moe.grouped)
+                                moe.grouped, fp8=isinstance(cfg.quant, Fp8Config))
         if moe.grouped is not None:     # DeepSeek routes in float32: the router weight is kept so (exact)
             self.gate.weight.data = self.gate.weight.data.float()
         if moe.grouped is not None and moe.grouped.score_bias:     # V3: chooses experts, does not weigh them
@@ -37,7 +38,7 @@ class SparseMoeBlock(nn.Module):
                 nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias)
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias, cfg.quant)
         if moe.shared_expert_size and moe.shared_expert_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
