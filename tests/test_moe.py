@@ -119,8 +119,8 @@ def test_fp8_quantization_of_moe_models(checkpoints, name):
     assert moe.w13_fp8.q.dtype == torch.float8_e4m3fn and moe.w13_weight.numel() == 0
     block = next(m.mlp for m in model.model.layers if hasattr(m.mlp, "experts"))
     assert block.gate.quant_method is None
-    assert moe.cost(StepShape((1,), (1,)))[1].param_bytes < \
-        next(m for m in ref.engine.runner.model.modules() if isinstance(m, FusedMoE)).cost(StepShape((1,), (1,)))[1].param_bytes
+    float_moe = next(m for m in ref.engine.runner.model.modules() if isinstance(m, FusedMoE))
+    assert moe.cost(StepShape((1,), (1,)))[1].param_bytes < float_moe.cost(StepShape((1,), (1,)))[1].param_bytes / 1.9
     ids = torch.tensor(prompt_of(24))
     lp = []
     for llm in (fp8, ref):

@@ -132,7 +132,8 @@ def moe_plan(w13, w2, top_k: int) -> MoePlan:
     """The plan for this expert shape (float weights or Fp8Experts) on its GPU, from the per-device cache or measured now."""
     E, two_i, H = w13.shape
     fp8 = "-fp8" if isinstance(w13, Fp8Experts) else ""
-    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{str(w13.dtype).removeprefix('torch.')}{fp8}.json"
+    dtype = str(w13.dtype).removeprefix("torch.")
+    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}{fp8}.json"
     table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
     return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},
                    {int(t): e["us"] for t, e in table.items()})

@@ -13,9 +13,9 @@ operands, the activation quantization included in the FP8 ones, replayed from a 
   * "bf16": the layer's bf16 path on the dequantized weight (ridge's GEMV up to its row limit, else
     cuBLAS via F.linear),
 and keeps the fastest per bucket. A batch of M rows takes the choice of the first bucket >= M.
-The FP8 times include the quantization pass, which the projections whose producer quantizes for
-them (QKV, gate-up, down: ridge/layers/quant/fp8_linear.py) no longer run: for those the table
-leans towards bf16 where the two are close.
+The FP8 times include the quantization pass, except for the projections whose producer quantizes
+for them (QKV, gate-up, down: ridge/layers/quant/fp8_linear.py), which are timed on an activation
+already quantized, the GEMM alone, as they run (their tables are cached apart: `fed`).
 The table is cached per device (RIDGE_CACHE_DIR/fp8, like the roofline's ceilings), so only the
 first start on a GPU pays for the timing (seconds for an 8B model).
 """
@@ -69,18 +69,25 @@ def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv(x, w) if uses_gemv(x, w) else F.linear(x, w)
 
 
-def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict:
-    """{bucket: {"choice": path, "us": {path: microseconds}}} for one weight (bf16 w and its FP8 form)."""
+def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False) -> dict:
+    """{bucket: {"choice": path, "us": {path: microseconds}}} for one weight (bf16 w and its FP8 form);
+    fed: the FP8 paths' input arrives quantized (the GEMM alone is timed)."""
     n, k = w.shape
     gen = torch.Generator(device=w.device).manual_seed(n * 7 + k)
     table = {}
     for m in BUCKETS:
         x = torch.randn(m, k, generator=gen, device=w.device).to(w.dtype)
+        xq, xs = quantize_act_fp8(x)
         paths = ["bf16", "cublas"] + [f"triton:{c}" for c, a in TRITON_CONFIGS.items()
                                       if a.get("split_k", 1) == 1 or m <= SPLIT_MAX_M]
         us, errors = {}, {}
         for p in paths:
-            fn = (lambda: bf16_matmul(x, w)) if p == "bf16" else (lambda p=p: fp8_matmul(p, x, wq, ws))
+            if p == "bf16":
+                fn = lambda: bf16_matmul(x, w)  # noqa: E731
+            elif fed:
+                fn = lambda p=p: quantized_matmul(p, xq, xs, wq, ws, x.dtype)  # noqa: E731
+            else:
+                fn = lambda p=p: fp8_matmul(p, x, wq, ws)  # noqa: E731
             try:
                 us[p] = graph_time_us(fn)
             except Exception as e:  # noqa: BLE001  a path this torch / GPU lacks, or a config out of resources
@@ -89,9 +96,10 @@ def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict:
     return table
 
 
-def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> dict[int, str]:
-    """{bucket: path} for this weight's (N, K) on its GPU, from the per-device cache or measured now."""
+def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False) -> dict[int, str]:
+    """{bucket: path} for this weight's (N, K) on its GPU (fed: its producer quantizes its input), from
+    the per-device cache or measured now."""
     n, k = w.shape
-    path = os.path.join(cache_root(), "fp8", f"dispatch-{device_key(w.device)}-{n}x{k}.json")
-    table = cached(path, VERSION, lambda: measure_shape(w, wq, ws))
+    name = f"dispatch-{device_key(w.device)}-{n}x{k}{'-fed' if fed else ''}.json"
+    table = cached(os.path.join(cache_root(), "fp8", name), VERSION, lambda: measure_shape(w, wq, ws, fed))
     return {int(m): e["choice"] for m, e in table.items()}

@@ -63,7 +63,7 @@ class Fp8Linear:
         self.float_dtype = w.dtype
         layer.weight_fp8, layer.weight_scale_inv = quantize_fp8_block(w)
         if w.is_cuda:
-            self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv)
+            self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv, fed=layer.fp8_producer)
         if self.paths is None or "bf16" not in self.paths.values():
             layer.weight = None                           # only the FP8 weight is ever read: free the bf16 one
 
