@@ -166,6 +166,13 @@ class EngineConfig:
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, '
              '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": B}',
         default_text="off")
+    tensor_parallel_size: int = setting(
+        1, minimum=1, aliases=("-tp",),
+        help="split the model across this many GPUs (CPU processes on a CPU), one process each: rank 0 "
+             "schedules and samples, ranks 1.. run the same forward on their share of the heads and columns")
+    distributed_timeout_seconds: float = setting(
+        300.0, above=0, help="with tensor_parallel_size > 1: a collective that waits longer than this for a rank "
+                             "fails the engine (a hung rank); a rank that dies is reported at once")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):
@@ -220,8 +227,31 @@ class EngineConfig:
             if draft.vocab_size != model_cfg.vocab_size:
                 raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
                                  f"the target's ({model_cfg.vocab_size})")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model_cfg, dev)
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
                                    max_model_len=max_len), model_cfg
+
+    def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
+        """What ridge splits so far: the Llama family's heads and MLP columns, float weights."""
+        tp, name = self.tensor_parallel_size, "tensor_parallel_size"
+        unsupported = ("latent attention (DeepSeek)" if m.mla is not None else
+                       "mixture-of-experts models" if m.moe is not None else
+                       "quantized weights" if self.quantization is not None or m.quantization_config else
+                       "speculative decoding with a draft model" if (self.speculation or SpeculativeConfig("ngram", 1)
+                                                                     ).method == "draft_model" else None)
+        if unsupported:
+            raise ValueError(f"{name}: {unsupported} cannot run tensor-parallel yet (got {tp})")
+        for what, n in (("the number of attention heads", m.num_heads),
+                        ("the MLP's intermediate size", m.intermediate_size)):
+            if n % tp:
+                raise ValueError(f"{name}: {what} ({n}) must be divisible by it, got {tp}")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            raise ValueError(f"{name}: the KV heads ({m.num_kv_heads}) must be divisible by it, or it by them "
+                             f"(each rank then holds a copy of one KV head), got {tp}")
+        if dev.type == "cuda" and (dev.index or tp > torch.cuda.device_count()):
+            raise ValueError(f"{name}: rank r runs on cuda:r, so the device must be 'cuda' (or auto) and {tp} GPUs "
+                             f"visible; got device {dev} with {torch.cuda.device_count()} GPUs")
 
     def kv_budget(self) -> int:
         """Bytes for the KV pool of a resolved config, measured after the model is loaded."""

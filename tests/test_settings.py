@@ -51,6 +51,8 @@ BAD = [
     ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2}),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}),
+    ("tensor_parallel_size", 0), ("tensor_parallel_size", 1.5), ("tensor_parallel_size", True),
+    ("distributed_timeout_seconds", 0), ("distributed_timeout_seconds", math.inf),
 ]
 
 

@@ -17,6 +17,13 @@ kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summatio
 With a quantization config (`quant`: ridge/layers/quant/int4.py, fp8_linear.py) the layer's tables,
 their loading and its GEMM belong to the method object (vLLM's LinearMethod); the Linear keeps its
 shards, bias and input activation, and states the quantized bytes in its cost.
+
+Tensor parallelism (`tp`, ridge/parallel.py): a column-parallel layer holds this rank's rows of
+each shard (`sources`: where they sit in the checkpoint tensor; an even split unless the caller
+says otherwise, as attention does for KV heads copied onto several ranks), a row-parallel layer
+this rank's share of the input columns, its partial outputs summed by one all-reduce. Its bias is
+whole on every rank and added by rank 0 alone, inside the same GEMM, so the sum counts it once.
+`in_features` / `out_features` are this rank's, and so is the cost the layer states.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
+from ridge.parallel import SINGLE, TensorParallel
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 from ridge.layers.cost import OpCost, Precision, StepShape, gemm_cost, precision_of
 
@@ -34,23 +42,39 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
 
 
+PARALLEL_KINDS = (None, "column", "row")
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: dict[str, int] | int, bias: bool = False,
-                 input_act: nn.Module | None = None, quant=None):
+                 input_act: nn.Module | None = None, quant=None, tp: TensorParallel = SINGLE,
+                 parallel: str | None = None, slices: dict[str, tuple[int, int]] | None = None):
+        """out_sizes: the checkpoint's rows of each shard. parallel: None (whole on every rank),
+        "column" (this rank's rows of each shard: `slices`, shard -> (first row, rows), default
+        the even split) or "row" (this rank's share of the input columns, outputs all-reduced)."""
         super().__init__()
+        if parallel not in PARALLEL_KINDS:
+            raise ValueError(f"parallel: must be one of {PARALLEL_KINDS}, got {parallel!r}")
         out_sizes = {"": out_sizes} if isinstance(out_sizes, int) else out_sizes
-        self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows)
+        self.tp, self.parallel = tp, parallel if tp.size > 1 else None
+        self.full_sizes, self.full_in = dict(out_sizes), in_features
+        self.sources: dict[str, tuple[int, int]] = {      # shard id -> (first row, rows) of the checkpoint's
+            name: (slices or {}).get(name) or tp.split(size, f"a projection's {size} output rows")
+            if self.parallel == "column" else (0, size) for name, size in out_sizes.items()}
+        self.in_slice = tp.split(in_features, f"a projection's {in_features} input columns") \
+            if self.parallel == "row" else (0, in_features)
+        self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows) of this rank's
         offset = 0
-        for name, size in out_sizes.items():
-            self.shards[name], offset = (offset, size), offset + size
-        self.in_features, self.out_features = in_features, offset
+        for name, (_, rows) in self.sources.items():
+            self.shards[name], offset = (offset, rows), offset + rows
+        self.in_features, self.out_features = self.in_slice[1], offset
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
         param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
                                                  self.weight_loader, shard_ids)
         # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
         self.quant_method = quant.linear_method(self) if quant is not None else None
         if self.quant_method is None or getattr(self.quant_method, "loads_float_weight", False):
-            self.weight = param(offset, in_features)     # FP8 at load: quantized once loaded
+            self.weight = param(offset, self.in_features)    # FP8 at load: quantized once loaded
         self.bias = param(offset) if bias else None
         self.input_act = input_act
 
@@ -65,9 +89,34 @@ class Linear(nn.Module):
             raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
         return self.shards[shard_id] if shard_id is not None else (0, self.out_features)
 
+    def rank_share(self, loaded: torch.Tensor, shard_id: str | None, in_dim: int | None = 1,
+                   in_per_column: int = 1) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor of shard_id: its rows (column-parallel) or, for
+        a tensor with an input dimension `in_dim` (None: a bias), its columns (row-parallel;
+        `in_per_column` inputs a column of that dimension, for packed and group-scale tables).
+        Whole for a layer that is not split."""
+        if self.parallel == "column":
+            full, (start, rows) = self.full_sizes[shard_id or ""], self.sources[shard_id or ""]
+            if loaded.shape[0] != full:
+                raise ValueError(f"has {loaded.shape[0]} rows, expected {full} (split across "
+                                 f"{self.tp.size} tensor-parallel ranks)")
+            return loaded.narrow(0, start, rows)
+        if self.parallel == "row" and in_dim is not None:
+            start, cols = self.in_slice
+            if loaded.shape[in_dim] * in_per_column != self.full_in:
+                raise ValueError(f"has {loaded.shape[in_dim] * in_per_column} inputs, expected {self.full_in} "
+                                 f"(split across {self.tp.size} tensor-parallel ranks)")
+            if start % in_per_column or cols % in_per_column:
+                raise ValueError(f"cannot be split across {self.tp.size} tensor-parallel ranks: a rank's "
+                                 f"{cols} inputs would cut a group of {in_per_column}")
+            return loaded.narrow(in_dim, start // in_per_column, cols // in_per_column)
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        """Copy a checkpoint tensor into param, or into its rows for shard_id of a merged layer."""
+        """Copy a checkpoint tensor (this rank's part of it) into param, or into its rows for
+        shard_id of a merged layer."""
         rows = self.shard_slot(param, shard_id)
+        loaded = self.rank_share(loaded, shard_id, in_dim=1 if param is self.weight else None)
         default_weight_loader(param if shard_id is None else param.data.narrow(0, *rows), loaded)
 
     def finish_loading(self) -> None:
@@ -85,16 +134,17 @@ class Linear(nn.Module):
             self.bias.normal_(0.0, std, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """input_act(x) @ weight^T (+ bias)."""
+        """input_act(x) @ weight^T (+ bias); row-parallel: summed over the ranks."""
+        bias = self.bias if self.parallel != "row" or self.tp.rank == 0 else None
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x if self.input_act is None else self.input_act(x))
-        gemv_path = uses_gemv(x, self.weight)
-        act = getattr(self.input_act, "gemv_act", None)
-        if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
-            x, act = self.input_act(x), None
-        if gemv_path:
-            return gemv(x, self.weight, self.bias, act=act)
-        return F.linear(x, self.weight, self.bias)
+            y = self.quant_method.apply(self, x if self.input_act is None else self.input_act(x), bias)
+        else:
+            gemv_path = uses_gemv(x, self.weight)
+            act = getattr(self.input_act, "gemv_act", None)
+            if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
+                x, act = self.input_act(x), None
+            y = gemv(x, self.weight, bias, act=act) if gemv_path else F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
 
     def weight_precision(self, step: StepShape, rows: int | None = None) -> Precision:
         """The step's what-if format, else its own for `rows` rows: INT4 with its group scales, FP8

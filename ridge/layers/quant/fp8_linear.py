@@ -55,7 +55,7 @@ class Fp8Linear:
     def path(self, m: int) -> str:
         return "reference" if self.paths is None else self.paths[bucket_of(m)]
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias) by the path measured fastest for this many rows."""
         x2 = x.reshape(-1, x.shape[-1])
         path = self.path(x2.shape[0])
@@ -65,8 +65,8 @@ class Fp8Linear:
             y = fp8_gemm_ref(*quantize_act_fp8_ref(x2), layer.weight_fp8, layer.weight_scale_inv, x.dtype)
         else:
             y = fp8_matmul(path, x2.contiguous(), layer.weight_fp8, layer.weight_scale_inv)
-        if layer.bias is not None:
-            y = y + layer.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:

@@ -325,15 +325,15 @@ class Int4Linear:
                 shape[i] = torch.tensor([n, layer.in_features])
         layer.perm = None
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N]: the INT4 GEMM (+ bias)."""
         x2 = x.reshape(-1, x.shape[-1])
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
         y = int4_matmul(x2, self.table(layer, "qweight"), self.table(layer, "scales"), self.table(layer, "zeros"),
                         self.group_size)
-        if layer.bias is not None:
-            y = y + layer.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:

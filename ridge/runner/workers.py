@@ -1,0 +1,257 @@
+"""Tensor parallelism's processes. Rank 0 is the engine's own process: it schedules, runs its
+share of every forward and samples. Ranks 1..N-1 are worker processes started here
+(torch.multiprocessing, spawn), one a GPU (rank r on cuda:r) or, on a CPU, one a share of the host's
+cores; each loads its share of the model and then runs, beside rank 0, every step rank 0 plans.
+
+How a step reaches them: rank 0 writes the step's plan (ridge/runner/step_message.py, a fixed
+binary layout) into the next slot of a shared-memory ring (ridge/runner/step_ring.py: one
+producer, a sequence counter per reader, no lock, no pickle) and runs the step itself; each worker
+takes the plan from the ring and runs the same step, so every rank makes the same collectives in
+the same order. Only rank 0 samples: the ids a step feeds the next come from the host in the next
+plan, except in an overlapped decode, where one broadcast carries them from rank 0's device.
+
+Faults. A thread of rank 0 waits on the workers' process sentinels: a worker that dies is known at
+once, by rank, with its exit signal or code and the error it reported (each worker sends its last
+error down a pipe). The step that was running fails with RankFailure naming them: a collective
+with a dead peer errors out (gloo: the connection resets; NCCL: the thread aborts the
+communicators), and a hung rank is caught by the collectives' timeout (distributed_timeout_seconds).
+After a failure the ranks can no longer agree on what runs next, so the pool kills what is left of
+it and removes the ring's segment; every later step raises the same error. A worker whose rank 0
+is gone exits on its own (it checks its parent while it waits for a step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ridge.config import EngineConfig, ModelConfig
+from ridge.parallel import RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel
+from ridge.runner.step_message import (STOP, SETUP, encode_plan, encode_setup, encode_stop, max_message_bytes,
+                                       read_message)
+from ridge.runner.step_ring import StepRing
+
+HOST = "127.0.0.1"
+RING_SLOTS = 8              # steps rank 0 may run ahead of the slowest worker before it waits
+POLL_S = 1.0                # an idle worker checks that its rank 0 still lives this often
+STOP_JOIN_S = 30.0          # a stopped worker's time to leave its group and exit
+CAUSE_WAIT_S = 5.0          # after a failed collective, how long to wait for a death to name it
+
+
+def ring_slot_bytes(cfg: EngineConfig) -> int:
+    spec = cfg.speculation
+    return max_message_bytes(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.page_size,
+                             1 + (spec.num_speculative_tokens if spec is not None else 0))
+
+
+class WorkerPool:
+    """Ranks 1..N-1 of a tensor-parallel engine, seen from rank 0. `tp` is rank 0's place in the
+    group; `pids` the workers' process ids; `ring_name` the shared-memory segment."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
+        size, timeout = cfg.tensor_parallel_size, cfg.distributed_timeout_seconds
+        self.timeout, self.failure, self.closed = timeout, None, False
+        self._died = threading.Event()
+        store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        slot_bytes = ring_slot_bytes(cfg)
+        self.ring = StepRing.create(RING_SLOTS, slot_bytes, size - 1)
+        self.ring_name = self.ring.name
+        ctx = mp.get_context("spawn")
+        self.procs, self.pipes = [], []
+        try:
+            for rank in range(1, size):
+                receive, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=worker_main, name=f"ridge-tp-rank{rank}", daemon=True,
+                                args=(rank, cfg, model_cfg, store.port, self.ring_name, slot_bytes, os.getpid(), send))
+                p.start()
+                send.close()
+                self.procs.append(p)
+                self.pipes.append(receive)
+            self.pids = [p.pid for p in self.procs]
+            self._await_joining()
+            device = torch.device("cuda", 0) if cfg.device.type == "cuda" else cfg.device
+            self.tp = init_tensor_parallel(0, size, device, store, timeout)
+        except BaseException:
+            self.tp = None
+            self._kill()
+            self._release()
+            raise
+        self._store = store
+        threading.Thread(target=self._watch, name="ridge-tp-watch", daemon=True).start()
+
+    def _await_joining(self) -> None:
+        """Wait until every worker is about to join the group (it says so down its pipe) or has
+        died, so a worker that fails to start is an error now, not a wait for the group's timeout."""
+        pending = set(range(1, len(self.procs) + 1))
+        while pending:
+            pipes = {self.pipes[r - 1]: r for r in pending}
+            sentinels = {self.procs[r - 1].sentinel: r for r in pending}
+            for ready in wait([*pipes, *sentinels]):
+                r = pipes.get(ready) if not isinstance(ready, int) else sentinels[ready]
+                if r not in pending:
+                    continue
+                try:
+                    said = None if isinstance(ready, int) else ready.recv_bytes()
+                except (EOFError, OSError):
+                    said = None
+                if said != b"":                      # an error, or the process ended before it joined
+                    raise RankFailure(self._describe(r, said.decode(errors="replace") if said else ""))
+                pending.discard(r)
+
+    def _describe(self, rank: int, error: str = "") -> str:
+        """Why rank `rank`'s process ended: its signal or exit code, and the error it sent."""
+        p, pipe = self.procs[rank - 1], self.pipes[rank - 1]
+        p.join(5)
+        code = p.exitcode
+        while pipe.poll():
+            try:
+                error = pipe.recv_bytes().decode(errors="replace") or error
+            except (EOFError, OSError):
+                break
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exited with code {code}" if code is not None else "stopped answering")
+        return f"tensor-parallel rank {rank} (pid {p.pid}) {how}" + (f": {error}" if error else "")
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, 1)}
+        ready = wait(list(sentinels))
+        if self.closed:
+            return
+        self.failure = self._describe(sentinels[ready[0]])
+        self._died.set()
+        abort_tensor_parallel(self.tp)       # NCCL work waiting on the dead rank returns
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        if self.closed:
+            raise RankFailure("the tensor-parallel engine was closed")
+
+    def setup(self, num_pages: int, use_graphs: bool, verify_queries: int, verify_max_bs: int) -> None:
+        self.check()
+        self._publish(encode_setup(num_pages, use_graphs, verify_queries, verify_max_bs))
+
+    def step(self, plan, run):
+        """Send the plan to the workers, then `run()` it here; a failure on any rank, here or
+        there, during the step is a RankFailure (and the end of the pool)."""
+        self.check()
+        message = encode_plan(plan)
+        try:
+            self._publish(message)
+            return run()
+        except Exception as e:
+            if not isinstance(e, RankFailure):
+                self._died.wait(CAUSE_WAIT_S)
+                self.failure = self.failure or self._unexplained(e)
+            self._fail()
+            raise RankFailure(self.failure) from e
+        except BaseException:
+            self.failure = self.failure or "rank 0 was interrupted during a step: the ranks no longer agree"
+            self._fail()
+            raise
+
+    def _unexplained(self, e: Exception) -> str:
+        """A failed step no death explains: a hung rank (a collective timed out) or rank 0's own
+        error; the ring tells which ranks had not even taken the step."""
+        seq = self.ring.published()
+        behind = [c + 1 for c in range(len(self.procs)) if self.ring.taken(c) < seq]
+        lagging = f"; ranks that had not taken it: {behind}" if behind else ""
+        return f"tensor-parallel step {seq} failed on rank 0 ({type(e).__name__}: {e}){lagging}"
+
+    def _publish(self, message: bytes) -> None:
+        try:
+            self.ring.publish(message, timeout=self.timeout)
+        except TimeoutError as e:
+            raise RankFailure(f"tensor-parallel ranks stopped taking steps: {e}") from None
+
+    def _fail(self) -> None:
+        self.closed = True
+        self._kill()
+        self._release()
+
+    def close(self) -> None:
+        """Stop the workers (each leaves the group and exits), remove the ring; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.ring.publish(encode_stop(), timeout=5)
+        except TimeoutError:
+            pass
+        deadline = time.monotonic() + STOP_JOIN_S
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+        self._release()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+    def _release(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self.tp is not None:
+            destroy_tensor_parallel(self.tp)
+
+
+def worker_main(rank: int, cfg: EngineConfig, model_cfg: ModelConfig, store_port: int, ring_name: str,
+                slot_bytes: int, parent_pid: int, errors) -> None:
+    """Rank `rank`'s process: join the group, load this rank's share of the model, size the KV
+    pool with the others, then run each plan from the ring until told to stop."""
+    from ridge.runner.model_runner import ModelRunner
+
+    size, tp, ring = cfg.tensor_parallel_size, None, None
+    try:
+        device = torch.device("cuda", rank) if cfg.device.type == "cuda" else cfg.device
+        cfg = dataclasses.replace(cfg, device=device)
+        store = dist.TCPStore(HOST, store_port, size, is_master=False,
+                              timeout=datetime.timedelta(seconds=cfg.distributed_timeout_seconds))
+        errors.send_bytes(b"")                   # joining the group now
+        tp = init_tensor_parallel(rank, size, device, store, cfg.distributed_timeout_seconds)
+        ring = StepRing.attach(ring_name, RING_SLOTS, slot_bytes, size - 1)
+        runner = ModelRunner(cfg, model_cfg, show_progress=False, tp=tp)
+        runner.pages_fitting()
+        while True:
+            message = _next_message(ring, rank - 1, parent_pid)
+            if message is None:
+                return                           # rank 0 is gone
+            kind, content = read_message(message)
+            if kind == STOP:
+                return
+            if kind == SETUP:
+                runner.start(*content)
+            else:
+                runner.run(content)
+    except BaseException as e:
+        try:
+            errors.send_bytes(f"{type(e).__name__}: {e}".encode()[:4096])
+        except OSError:
+            pass
+        raise
+    finally:
+        if ring is not None:
+            ring.close()
+        if tp is not None:
+            destroy_tensor_parallel(tp)
+
+
+def _next_message(ring: StepRing, consumer: int, parent_pid: int) -> bytes | None:
+    while True:
+        try:
+            return ring.consume(consumer, timeout=POLL_S)
+        except TimeoutError:
+            if os.getppid() != parent_pid:
+                return None
