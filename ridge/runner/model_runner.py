@@ -284,7 +284,10 @@ class ModelRunner:
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         plan, scored = self.plan(sched, previous)
         tokens = previous[0] if previous is not None else None
-        out = self.run(plan, tokens) if self.workers is None else self.workers.step(plan, lambda: self.run(plan, tokens))
+        if self.workers is None:
+            out = self.run(plan, tokens)
+        else:
+            out = self.workers.step(plan, lambda: self.run(plan, tokens))
         out.prompt_logprobs = [(seq, positions, values) for (seq, positions), values in zip(scored, out.scores)]
         return out
 

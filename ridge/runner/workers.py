@@ -43,7 +43,16 @@ HOST = "127.0.0.1"
 RING_SLOTS = 8              # steps rank 0 may run ahead of the slowest worker before it waits
 POLL_S = 1.0                # an idle worker checks that its rank 0 still lives this often
 STOP_JOIN_S = 30.0          # a stopped worker's time to leave its group and exit
-CAUSE_WAIT_S = 5.0          # after a failed collective, how long to wait for a death to name it
+CAUSE_WAIT_S = 2.0          # after a failed collective, how long to wait for a death to name it
+
+
+def share_cores(device: torch.device, size: int) -> torch.device:
+    """On a CPU the ranks share the host's cores, an equal number of compute threads each (rank 0's
+    own count comes back when the pool closes): more would oversubscribe them, and an OpenMP thread
+    spinning for work on a core another rank needs stalls both (steps many times slower). Returns
+    the device."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return device
 
 
 def ring_slot_bytes(cfg: EngineConfig) -> int:
@@ -59,6 +68,7 @@ class WorkerPool:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
         size, timeout = cfg.tensor_parallel_size, cfg.distributed_timeout_seconds
         self.timeout, self.failure, self.closed = timeout, None, False
+        self._threads = torch.get_num_threads()          # given back when the pool closes
         self._died = threading.Event()
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -78,7 +88,7 @@ class WorkerPool:
                 self.pipes.append(receive)
             self.pids = [p.pid for p in self.procs]
             self._await_joining()
-            device = torch.device("cuda", 0) if cfg.device.type == "cuda" else cfg.device
+            device = torch.device("cuda", 0) if cfg.device.type == "cuda" else share_cores(cfg.device, size)
             self.tp = init_tensor_parallel(0, size, device, store, timeout)
         except BaseException:
             self.tp = None
@@ -160,12 +170,15 @@ class WorkerPool:
             raise
 
     def _unexplained(self, e: Exception) -> str:
-        """A failed step no death explains: a hung rank (a collective timed out) or rank 0's own
-        error; the ring tells which ranks had not even taken the step."""
+        """A failed step no death explains: ranks that had not even taken it from the ring are
+        hung (the collectives timed out waiting for them); else rank 0's own error."""
         seq = self.ring.published()
         behind = [c + 1 for c in range(len(self.procs)) if self.ring.taken(c) < seq]
-        lagging = f"; ranks that had not taken it: {behind}" if behind else ""
-        return f"tensor-parallel step {seq} failed on rank 0 ({type(e).__name__}: {e}){lagging}"
+        if behind:
+            return (f"tensor-parallel rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} hung: step {seq} "
+                    f"not taken within distributed_timeout_seconds ({self.timeout:g} s); rank 0 saw "
+                    f"{type(e).__name__}: {e}")
+        return f"tensor-parallel step {seq} failed on rank 0: {type(e).__name__}: {e}"
 
     def _publish(self, message: bytes) -> None:
         try:
@@ -200,6 +213,7 @@ class WorkerPool:
             p.join()
 
     def _release(self) -> None:
+        torch.set_num_threads(self._threads)
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -215,7 +229,7 @@ def worker_main(rank: int, cfg: EngineConfig, model_cfg: ModelConfig, store_port
 
     size, tp, ring = cfg.tensor_parallel_size, None, None
     try:
-        device = torch.device("cuda", rank) if cfg.device.type == "cuda" else cfg.device
+        device = torch.device("cuda", rank) if cfg.device.type == "cuda" else share_cores(cfg.device, size)
         cfg = dataclasses.replace(cfg, device=device)
         store = dist.TCPStore(HOST, store_port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=cfg.distributed_timeout_seconds))

@@ -26,6 +26,7 @@ from ridge.engine.engine import EngineStats
 from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
+from ridge.parallel import RankFailure
 
 log = logging.getLogger("ridge.server")
 
@@ -219,6 +220,9 @@ class EngineClient:
             self.state = READY
             log.info("engine ready: %s", self.model.path)
             self._serve()
+        finally:
+            if self._llm is not None:
+                self._llm.close()       # a tensor-parallel engine's workers stop now, not at exit
         self._refuse_until_stopped()
 
     def _serve(self) -> None:
@@ -276,6 +280,10 @@ class EngineClient:
         engine = self._llm.engine
         try:
             outs = engine.step()
+        except RankFailure as e:        # a tensor-parallel rank is gone: no step can run any more
+            log.error("engine failed: %s", e)
+            self._die(f"the engine failed: {e}")
+            return
         except Exception as e:          # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             self._recover(f"the engine failed while running this request ({type(e).__name__})")
