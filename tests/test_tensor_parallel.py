@@ -6,6 +6,7 @@ is an error naming its rank, with no process or shared memory left behind."""
 import gc
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -109,8 +110,11 @@ def test_a_killed_worker_fails_the_engine_naming_the_rank(checkpoints):
         engine.add_request(prompt_of(n), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(3):
         engine.step()
+    told = threading.Event()
+    llm.on_failure(lambda message: told.set() if "rank 1" in message else None)
     os.kill(pool.pids[0], signal.SIGKILL)
     t0 = time.monotonic()
+    assert told.wait(10)                                  # known at once, before any step runs
     with pytest.raises(RankFailure, match=rf"rank 1 \(pid {pool.pids[0]}\) was killed by signal SIGKILL"):
         for _ in range(50):
             engine.step()

@@ -56,6 +56,7 @@ class LLM:
                 workers.close()
             raise
         # the workers stop (and the ring's segment goes) when the LLM is closed or collected, or at exit
+        self._workers = workers
         self._close = weakref.finalize(self, workers.close) if workers is not None else lambda: None
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
@@ -88,6 +89,13 @@ class LLM:
         """Stop a tensor-parallel engine's worker processes and remove its shared memory (also done
         when the LLM is garbage-collected or the interpreter exits); nothing to do for one rank."""
         self._close()
+
+    def on_failure(self, callback) -> None:
+        """Have `callback(message)` called, from another thread, as soon as a tensor-parallel rank
+        dies (the message names it and why); the engine's next step raises RankFailure. One rank:
+        never called."""
+        if self._workers is not None:
+            self._workers.on_failure.append(callback)
 
     def __enter__(self) -> "LLM":
         return self

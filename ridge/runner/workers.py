@@ -69,6 +69,7 @@ class WorkerPool:
         size, timeout = cfg.tensor_parallel_size, cfg.distributed_timeout_seconds
         self.timeout, self.failure, self.closed = timeout, None, False
         self._threads = torch.get_num_threads()          # given back when the pool closes
+        self.on_failure: list = []                       # callback(message), from the watcher thread
         self._died = threading.Event()
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -139,9 +140,15 @@ class WorkerPool:
         self.failure = self._describe(sentinels[ready[0]])
         self._died.set()
         abort_tensor_parallel(self.tp)       # NCCL work waiting on the dead rank returns
+        for callback in self.on_failure:
+            callback(self.failure)
 
     def check(self) -> None:
+        """RankFailure once a rank has failed (the pool is then released, here in the engine's
+        thread, which is the one using the ring)."""
         if self.failure is not None:
+            if not self.closed:
+                self._fail()
             raise RankFailure(self.failure)
         if self.closed:
             raise RankFailure("the tensor-parallel engine was closed")

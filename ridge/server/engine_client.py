@@ -81,6 +81,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Failed:
+    """A tensor-parallel rank failed (said by the engine's watcher thread, at once, even while
+    the engine is idle)."""
+    message: str
+
+
 _STOP = object()
 
 
@@ -205,6 +212,7 @@ class EngineClient:
             cfg = self._llm.engine.cfg
             self.model = ModelInfo(cfg.model, cfg.max_model_len, self._llm.engine.model_cfg.vocab_size)
             self.stats = self._llm.engine.stats()
+            self._llm.on_failure(lambda message: self._commands.put(_Failed(message)))
             # What loading made (the model, the tokenizer, transformers' and torch's modules:
             # some 400k objects) lives as long as the process; a full collection would walk it all
             # (~0.3 s with the GIL held: every stream stalls) each time the young objects of
@@ -232,7 +240,11 @@ class EngineClient:
                 if cmd is _STOP:
                     self._fail_all(STOPPED, "the server is shutting down")
                     return
-                if self.state == READY:
+                if isinstance(cmd, _Failed):
+                    if self.state == READY:
+                        log.error("engine failed: %s", cmd.message)
+                        self._die(f"the engine failed: {cmd.message}")
+                elif self.state == READY:
                     self._handle(cmd)
                 elif isinstance(cmd, _Add):
                     self._resolve(cmd.accepted, EngineUnavailable(self.error))
