@@ -45,6 +45,9 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     from ridge.eval_ppl import compare, heldout_files, perplexity
 
     cfg = settings.from_args(EngineConfig, a)
+    if a.compare and cfg.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: --compare reads the model's hidden states in this process; run it "
+                         f"with 1 (got {cfg.tensor_parallel_size})")
     llm = LLM(show_progress=False, **cfg.as_kwargs())
     files = a.files or heldout_files(llm.engine.cfg.model)
     if a.compare:

@@ -169,6 +169,17 @@ def test_rank_shares():
         rank_heads(12, 2, TensorParallel(0, 3))
 
 
+def test_single_process_tools_refuse_tensor_parallel(checkpoints, tmp_path, capsys):
+    """roofline, quantize and eval-ppl --compare read one process's model: refused before loading."""
+    from ridge.cli import main
+    path = checkpoints("llama")
+    for argv in (["roofline", "--model", path, "--device", "cpu"],
+                 ["quantize", "--model", path, "--out", str(tmp_path / "q"), "--method", "rtn", "--device", "cpu"],
+                 ["eval-ppl", "--model", path, "--compare", path, "--device", "cpu"]):
+        assert main(argv + ["--tensor-parallel-size", "2"]) == 2
+        assert "tensor_parallel_size: " in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def llama_pair(checkpoints):
     """The tiny Llama at TP = 1 and TP = 2, with a small pool (preemption) and token budget (chunks).

@@ -337,12 +337,16 @@ class ModelRunner:
         done.record()
         return host, done
 
-    @staticmethod
-    def host_tokens(host: torch.Tensor, done: torch.cuda.Event | None) -> list[int]:
-        """The ids of tokens_to_host, once the copy has landed (waits for it)."""
+    def host_tokens(self, host: torch.Tensor, done: torch.cuda.Event | None = None) -> list[int]:
+        """The ids of tokens_to_host (or of a device tensor), once they have landed (waits for
+        them). Under tensor parallelism a rank that died meanwhile had its step aborted (NCCL):
+        RankFailure instead of that step's ids."""
         if done is not None:
             done.synchronize()
-        return host.tolist()
+        ids = host.tolist()
+        if self.workers is not None:
+            self.workers.check()
+        return ids
 
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
         return self._observed("sample", seqs, self._sample, logits, seqs, eos_ids)

@@ -139,9 +139,11 @@ class WorkerPool:
             return
         self.failure = self._describe(sentinels[ready[0]])
         self._died.set()
-        abort_tensor_parallel(self.tp)       # NCCL work waiting on the dead rank returns
-        for callback in self.on_failure:
-            callback(self.failure)
+        try:
+            abort_tensor_parallel(self.tp)   # NCCL work waiting on the dead rank returns
+        finally:
+            for callback in self.on_failure:
+                callback(self.failure)
 
     def check(self) -> None:
         """RankFailure once a rank has failed (the pool is then released, here in the engine's
