@@ -233,17 +233,20 @@ class EngineConfig:
                                    max_model_len=max_len), model_cfg
 
     def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
-        """What ridge splits so far: the Llama family's heads and MLP columns, float weights."""
+        """What ridge splits so far: the Llama family's heads and MLP columns (experts' too), float
+        weights."""
         tp, name = self.tensor_parallel_size, "tensor_parallel_size"
         unsupported = ("latent attention (DeepSeek)" if m.mla is not None else
-                       "mixture-of-experts models" if m.moe is not None else
                        "quantized weights" if self.quantization is not None or m.quantization_config else
                        "speculative decoding with a draft model" if (self.speculation or SpeculativeConfig("ngram", 1)
                                                                      ).method == "draft_model" else None)
         if unsupported:
             raise ValueError(f"{name}: {unsupported} cannot run tensor-parallel yet (got {tp})")
-        for what, n in (("the number of attention heads", m.num_heads),
-                        ("the MLP's intermediate size", m.intermediate_size)):
+        widths = (("the number of attention heads", m.num_heads), ("the MLP's intermediate size", m.intermediate_size))
+        if m.moe is not None:
+            widths += (("each expert's intermediate size", m.moe.expert_size),
+                       ("the shared expert's intermediate size", m.moe.shared_expert_size))
+        for what, n in widths:
             if n % tp:
                 raise ValueError(f"{name}: {what} ({n}) must be divisible by it, got {tp}")
         if m.num_kv_heads % tp and tp % m.num_kv_heads:

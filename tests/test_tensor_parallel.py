@@ -35,10 +35,11 @@ def assert_released(llm) -> None:
     assert not os.path.exists(f"/dev/shm/{pool.ring_name.lstrip('/')}")
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-mqa", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama-mqa", "qwen3", "qwen2moe", "qwen3moe"])
 def test_greedy_tokens_match_one_rank_and_transformers(checkpoints, name):
-    """GQA (2 KV heads, one a rank), MQA (the one KV head copied onto both ranks) and Qwen3 (q/k
-    norms, tied embeddings: the shared table split by vocabulary)."""
+    """GQA (2 KV heads, one a rank), MQA (the one KV head copied onto both ranks), Qwen3 (q/k
+    norms, tied embeddings: the shared table split by vocabulary), and mixture-of-experts models
+    (each expert split by its intermediate columns; Qwen2-MoE's shared expert and q/k/v biases)."""
     path = checkpoints(name)
     prompts = [prompt_of(n, salt=i) for i, n in enumerate(PROMPT_LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -151,12 +152,21 @@ def test_a_dropped_llm_stops_its_workers(checkpoints):
 
 @pytest.mark.parametrize("name, size, why", [
     ("llama", 3, "the number of attention heads \\(4\\) must be divisible"),
-    ("qwen3moe", 2, "mixture-of-experts models cannot run tensor-parallel yet"),
     ("deepseekv2", 2, "latent attention"),
 ])
 def test_unsupported_splits_are_refused_before_loading(checkpoints, name, size, why):
     with pytest.raises(ValueError, match=f"^tensor_parallel_size: .*{why}"):
         LLM(checkpoints(name), device="cpu", show_progress=False, tensor_parallel_size=size)
+
+
+def test_expert_widths_must_split():
+    from ridge.config import EngineConfig, ModelConfig
+    m = ModelConfig.from_dict(dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=100, hidden_size=64,
+                                   intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+                                   num_key_value_heads=8, moe_intermediate_size=60, num_experts=4,
+                                   num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=r"each expert's intermediate size \(60\) must be divisible by it, got 8"):
+        EngineConfig(tensor_parallel_size=8)._check_tensor_parallel(m, torch.device("cpu"))
 
 
 def test_rank_shares():

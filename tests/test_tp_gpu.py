@@ -23,9 +23,17 @@ SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_a
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def models(tmp_path_factory):
     from ridge.utils.random_checkpoint import make_random_checkpoint
-    return make_random_checkpoint(str(tmp_path_factory.mktemp("tpgpu") / "llama"), **SHAPE)
+    root = tmp_path_factory.mktemp("tpgpu")
+    return {"llama": make_random_checkpoint(str(root / "llama"), **SHAPE),
+            "qwen3moe": make_random_checkpoint(str(root / "qwen3moe"), arch="qwen3moe", moe_intermediate_size=256,
+                                               **SHAPE)}
+
+
+@pytest.fixture
+def model(models):
+    return models["llama"]
 
 
 def released(pool) -> bool:
@@ -55,7 +63,9 @@ def test_float32_greedy_matches_one_gpu_and_transformers(model):
     assert released(pool)
 
 
-def test_bf16_graphs_and_overlap_on_both_ranks(model):
+@pytest.mark.parametrize("name", ["llama", "qwen3moe"])
+def test_bf16_graphs_and_overlap_on_both_ranks(models, name):
+    model = models[name]
     prompts = [prompt_of(n, salt=i, vocab=1000) for i, n in enumerate((5, 40, 17, 9))]
     kw = dict(max_model_len=256, max_num_seqs=8, show_progress=False)
     one = LLM(model, **kw)

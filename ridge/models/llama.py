@@ -82,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = (MLAttention(cfg, rotary, backend) if cfg.mla is not None
                           else LlamaAttention(cfg, rotary, backend, tp))
-        self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
+        self.mlp = SparseMoeBlock(cfg, tp) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
