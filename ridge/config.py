@@ -233,13 +233,12 @@ class EngineConfig:
                                    max_model_len=max_len), model_cfg
 
     def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
-        """What ridge splits so far: the Llama family's heads and MLP columns (experts' too), float
-        weights."""
+        """What ridge splits so far: the Llama family's heads and MLP columns (experts' too); INT4
+        groups and packed words are checked as each layer loads (ridge/layers/quant/int4.py)."""
         tp, name = self.tensor_parallel_size, "tensor_parallel_size"
+        spec = self.speculation
         unsupported = ("latent attention (DeepSeek)" if m.mla is not None else
-                       "quantized weights" if self.quantization is not None or m.quantization_config else
-                       "speculative decoding with a draft model" if (self.speculation or SpeculativeConfig("ngram", 1)
-                                                                     ).method == "draft_model" else None)
+                       "speculative decoding with a draft model" if spec and spec.method == "draft_model" else None)
         if unsupported:
             raise ValueError(f"{name}: {unsupported} cannot run tensor-parallel yet (got {tp})")
         widths = (("the number of attention heads", m.num_heads), ("the MLP's intermediate size", m.intermediate_size))

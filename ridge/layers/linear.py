@@ -89,34 +89,34 @@ class Linear(nn.Module):
             raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
         return self.shards[shard_id] if shard_id is not None else (0, self.out_features)
 
-    def rank_share(self, loaded: torch.Tensor, shard_id: str | None, in_dim: int | None = 1,
-                   in_per_column: int = 1) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor of shard_id: its rows (column-parallel) or, for
-        a tensor with an input dimension `in_dim` (None: a bias), its columns (row-parallel;
-        `in_per_column` inputs a column of that dimension, for packed and group-scale tables).
-        Whole for a layer that is not split."""
-        if self.parallel == "column":
-            full, (start, rows) = self.full_sizes[shard_id or ""], self.sources[shard_id or ""]
-            if loaded.shape[0] != full:
-                raise ValueError(f"has {loaded.shape[0]} rows, expected {full} (split across "
-                                 f"{self.tp.size} tensor-parallel ranks)")
-            return loaded.narrow(0, start, rows)
+    def rank_share(self, loaded: torch.Tensor, shard_id: str | None, out_dim: int | None = 0, out_per: int = 1,
+                   in_dim: int | None = 1, in_per: int = 1) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor of shard_id: its outputs (column-parallel) or its
+        inputs (row-parallel), whole for a layer that is not split. out_dim / in_dim: the tensor's
+        dimension of outputs / inputs (None: it has none, e.g. a bias has no inputs: a row-parallel
+        bias is whole, rank 0 adds it); out_per / in_per: how many outputs / inputs one element of
+        that dimension stands for (8 in a packed int32 word, G in a group's scale)."""
+        if self.parallel == "column" and out_dim is not None:
+            full, (start, count) = self.full_sizes[shard_id or ""], self.sources[shard_id or ""]
+            return self._cut(loaded, out_dim, out_per, full, start, count, "outputs")
         if self.parallel == "row" and in_dim is not None:
-            start, cols = self.in_slice
-            if loaded.shape[in_dim] * in_per_column != self.full_in:
-                raise ValueError(f"has {loaded.shape[in_dim] * in_per_column} inputs, expected {self.full_in} "
-                                 f"(split across {self.tp.size} tensor-parallel ranks)")
-            if start % in_per_column or cols % in_per_column:
-                raise ValueError(f"cannot be split across {self.tp.size} tensor-parallel ranks: a rank's "
-                                 f"{cols} inputs would cut a group of {in_per_column}")
-            return loaded.narrow(in_dim, start // in_per_column, cols // in_per_column)
+            return self._cut(loaded, in_dim, in_per, self.full_in, *self.in_slice, "inputs")
         return loaded
+
+    def _cut(self, loaded: torch.Tensor, dim: int, per: int, full: int, start: int, count: int, what: str):
+        if loaded.shape[dim] * per != full:
+            raise ValueError(f"has {loaded.shape[dim] * per} {what}, expected {full} (split across "
+                             f"{self.tp.size} tensor-parallel ranks)")
+        if start % per or count % per:
+            raise ValueError(f"cannot be split across {self.tp.size} tensor-parallel ranks: a rank's {count} "
+                             f"{what} from {start} would cut a block of {per} (a packed word or a group)")
+        return loaded.narrow(dim, start // per, count // per)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy a checkpoint tensor (this rank's part of it) into param, or into its rows for
         shard_id of a merged layer."""
         rows = self.shard_slot(param, shard_id)
-        loaded = self.rank_share(loaded, shard_id, in_dim=1 if param is self.weight else None)
+        loaded = self.rank_share(loaded, shard_id, in_dim=1 if loaded.dim() == 2 else None)
         default_weight_loader(param if shard_id is None else param.data.narrow(0, *rows), loaded)
 
     def finish_loading(self) -> None:
