@@ -138,6 +138,23 @@ def test_a_hung_worker_fails_the_engine_after_the_timeout(checkpoints):
     assert_released(llm)                                  # the stopped process is killed too
 
 
+def test_a_device_wait_past_the_timeout_fails_the_engine(checkpoints):
+    """Under NCCL a hung rank stalls rank 0 on its device (the token readback), not in a host call
+    that could time out: the watcher fails the pool once that wait outlasts the timeout. Here the
+    wait is rank 0's own, held open, with the worker stopped."""
+    llm = LLM(checkpoints("llama"), **TP2, distributed_timeout_seconds=1)
+    pool = llm.engine.runner.workers
+    llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
+    told = threading.Event()
+    llm.on_failure(lambda message: told.set())
+    with pool.device_wait():
+        assert told.wait(10)
+    assert "did not finish within distributed_timeout_seconds (1 s)" in pool.failure
+    with pytest.raises(RankFailure, match="did not finish"):
+        llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_released(llm)
+
+
 def test_a_dropped_llm_stops_its_workers(checkpoints):
     """The finaliser: an LLM that is dropped without close() stops its workers."""
     llm = LLM(checkpoints("llama"), **TP2)

@@ -106,3 +106,19 @@ def test_killed_worker_under_nccl_fails_in_bounded_time(model):
     assert time.monotonic() - t0 < 60
     llm.close()
     assert released(pool)
+
+
+def test_hung_worker_under_nccl_fails_after_the_timeout(model):
+    """A stopped worker stalls rank 0 on its GPU (the collective never completes): the watcher
+    fails the pool once the device wait outlasts distributed_timeout_seconds."""
+    llm = LLM(model, tensor_parallel_size=2, max_model_len=512, show_progress=False, distributed_timeout_seconds=5)
+    pool = llm.engine.runner.workers
+    llm.generate([prompt_of(5, vocab=1000)], SamplingParams(max_tokens=4), use_tqdm=False)
+    os.kill(pool.pids[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 hung|did not finish"):
+        llm.generate([prompt_of(9, vocab=1000)], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    assert time.monotonic() - t0 < 60
+    llm.close()
+    assert released(pool)
+

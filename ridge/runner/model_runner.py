@@ -341,11 +341,15 @@ class ModelRunner:
         """The ids of tokens_to_host (or of a device tensor), once they have landed (waits for
         them). Under tensor parallelism a rank that died meanwhile had its step aborted (NCCL):
         RankFailure instead of that step's ids."""
-        if done is not None:
-            done.synchronize()
-        ids = host.tolist()
-        if self.workers is not None:
-            self.workers.check()
+        if self.workers is None:
+            if done is not None:
+                done.synchronize()
+            return host.tolist()
+        with self.workers.device_wait():        # bounded: a hung rank stalls the device, not the host
+            if done is not None:
+                done.synchronize()
+            ids = host.tolist()
+        self.workers.check()
         return ids
 
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):

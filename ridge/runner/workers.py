@@ -21,6 +21,7 @@ is gone exits on its own (it checks its parent while it waits for a step).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -71,6 +72,7 @@ class WorkerPool:
         self._threads = torch.get_num_threads()          # given back when the pool closes
         self.on_failure: list = []                       # callback(message), from the watcher thread
         self._died = threading.Event()
+        self._waiting_since: float | None = None        # rank 0 blocked on the device since (host_tokens)
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
         slot_bytes = ring_slot_bytes(cfg)
@@ -133,17 +135,33 @@ class WorkerPool:
         return f"tensor-parallel rank {rank} (pid {p.pid}) {how}" + (f": {error}" if error else "")
 
     def _watch(self) -> None:
+        """Wait for a worker to die, or for rank 0 to wait on its device longer than the timeout
+        (under NCCL a hung rank stalls the GPU, not a host call that could time out)."""
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs, 1)}
-        ready = wait(list(sentinels))
+        while not self.closed:
+            ready = wait(list(sentinels), timeout=POLL_S)
+            since = self._waiting_since
+            if ready or (since is not None and time.monotonic() - since > self.timeout):
+                break
         if self.closed:
             return
-        self.failure = self._describe(sentinels[ready[0]])
+        self.failure = self._describe(sentinels[ready[0]]) if ready else self._hung()
         self._died.set()
         try:
-            abort_tensor_parallel(self.tp)   # NCCL work waiting on the dead rank returns
+            abort_tensor_parallel(self.tp)   # NCCL work waiting on the dead or hung rank returns
         finally:
             for callback in self.on_failure:
                 callback(self.failure)
+
+    @contextlib.contextmanager
+    def device_wait(self):
+        """Rank 0 blocks on its device inside: the watcher fails the pool if that lasts longer
+        than distributed_timeout_seconds."""
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_since = None
 
     def check(self) -> None:
         """RankFailure once a rank has failed (the pool is then released, here in the engine's
@@ -170,7 +188,7 @@ class WorkerPool:
         except Exception as e:
             if not isinstance(e, RankFailure):
                 self._died.wait(CAUSE_WAIT_S)
-                self.failure = self.failure or self._unexplained(e)
+            self.failure = self.failure or (str(e) if isinstance(e, RankFailure) else self._unexplained(e))
             self._fail()
             raise RankFailure(self.failure) from e
         except BaseException:
@@ -178,15 +196,25 @@ class WorkerPool:
             self._fail()
             raise
 
-    def _unexplained(self, e: Exception) -> str:
-        """A failed step no death explains: ranks that had not even taken it from the ring are
-        hung (the collectives timed out waiting for them); else rank 0's own error."""
+    def _behind(self) -> tuple[int, list[int]]:
+        """(the last step published, the ranks that have not taken it from the ring)."""
         seq = self.ring.published()
-        behind = [c + 1 for c in range(len(self.procs)) if self.ring.taken(c) < seq]
+        return seq, [c + 1 for c in range(len(self.procs)) if self.ring.taken(c) < seq]
+
+    def _hung(self) -> str:
+        seq, behind = self._behind()
         if behind:
             return (f"tensor-parallel rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} hung: step {seq} "
-                    f"not taken within distributed_timeout_seconds ({self.timeout:g} s); rank 0 saw "
-                    f"{type(e).__name__}: {e}")
+                    f"not taken within distributed_timeout_seconds ({self.timeout:g} s)")
+        return (f"tensor-parallel step {seq} did not finish within distributed_timeout_seconds ({self.timeout:g} s): "
+                f"a rank hung inside it")
+
+    def _unexplained(self, e: Exception) -> str:
+        """A failed step no death explains: a hung rank (the collectives timed out waiting for it),
+        or rank 0's own error."""
+        seq, behind = self._behind()
+        if behind:
+            return f"{self._hung()}; rank 0 saw {type(e).__name__}: {e}"
         return f"tensor-parallel step {seq} failed on rank 0: {type(e).__name__}: {e}"
 
     def _publish(self, message: bytes) -> None:
