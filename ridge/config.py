@@ -14,6 +14,7 @@ import torch
 
 from ridge import settings
 from ridge.model_config import ModelConfig, parse_dtype
+from ridge.parallel import launched
 from ridge.settings import setting
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -170,6 +171,11 @@ class EngineConfig:
         1, minimum=1, aliases=("-tp",),
         help="split the model across this many GPUs (CPU processes on a CPU), one process each: rank 0 "
              "schedules and samples, ranks 1.. run the same forward on their share of the heads and columns")
+    distributed_executor_backend: str = setting(
+        "mp", choices=("mp", "external_launcher"),
+        help="with tensor_parallel_size > 1, who starts the ranks: mp, ridge (one process a GPU on this host); "
+             "external_launcher, torchrun (torchrun --nproc-per-node N, across nodes with its rendezvous): rank 0 "
+             "runs the engine, LLM(...) on the other ranks serves it until it closes, then exits the process")
     distributed_timeout_seconds: float = setting(
         300.0, above=0, help="with tensor_parallel_size > 1: a collective that waits longer than this for a rank "
                              "fails the engine (a hung rank); a rank that dies is reported at once")
@@ -251,9 +257,16 @@ class EngineConfig:
         if m.num_kv_heads % tp and tp % m.num_kv_heads:
             raise ValueError(f"{name}: the KV heads ({m.num_kv_heads}) must be divisible by it, or it by them "
                              f"(each rank then holds a copy of one KV head), got {tp}")
-        if dev.type == "cuda" and (dev.index or tp > torch.cuda.device_count()):
-            raise ValueError(f"{name}: rank r runs on cuda:r, so the device must be 'cuda' (or auto) and {tp} GPUs "
-                             f"visible; got device {dev} with {torch.cuda.device_count()} GPUs")
+        if self.distributed_executor_backend == "external_launcher":
+            job = launched()
+            if job.size != tp:
+                raise ValueError(f"{name}: must be the number of processes torchrun started ({job.size}), got {tp}")
+            gpus = job.local_size
+        else:
+            gpus = tp
+        if dev.type == "cuda" and (dev.index or gpus > torch.cuda.device_count()):
+            raise ValueError(f"{name}: a rank runs on cuda:<its local rank>, so the device must be 'cuda' (or auto) and "
+                             f"{gpus} GPUs visible; got device {dev} with {torch.cuda.device_count()} GPUs")
 
     def kv_budget(self) -> int:
         """Bytes for the KV pool of a resolved config, measured after the model is loaded."""

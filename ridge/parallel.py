@@ -10,11 +10,16 @@ projection after it (o_proj, down_proj) produces partial sums that one all-reduc
 all-reduces a layer, each of one [tokens, hidden] activation, are the only traffic of a decoder
 layer; the vocabulary-split embedding adds one, and the LM head one all-gather of the logits.
 
+Under torchrun (distributed_executor_backend "external_launcher") every rank's process is the
+launcher's, and `launched()` reads where this one sits from the environment torchrun's rendezvous
+gives it (torch's env:// protocol).
+
 This module sits below the layers (as ridge.config does) and imports nothing from ridge.
 """
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +86,31 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group or self.group)
         return int(t.item())
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a job torchrun started (its rendezvous gives every process RANK,
+    LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE in its environment)."""
+    rank: int
+    local_rank: int
+    size: int
+    local_size: int
+
+    @property
+    def one_host(self) -> bool:
+        return self.local_size == self.size
+
+
+def launched() -> Launch:
+    """The torchrun job this process belongs to; ValueError when it was not started by torchrun."""
+    env = os.environ
+    try:
+        return Launch(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                      int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"distributed_executor_backend: 'external_launcher' runs in processes torchrun started, "
+                         f"and this one's environment lacks {e} (torchrun --nproc-per-node N ...)") from None
 
 
 SINGLE = TensorParallel()

@@ -15,7 +15,8 @@ from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.speculation import build_speculator
 from ridge.runner.model_runner import ModelRunner
-from ridge.runner.workers import WorkerPool
+from ridge.parallel import launched
+from ridge.runner.workers import WorkerPool, serve_launched
 from ridge.settings import fields as setting_fields
 
 
@@ -30,12 +31,18 @@ def load_tokenizer(path: str):
 class LLM:
     """The offline engine. `LLM(model, **settings)` takes exactly the fields of
     `ridge.config.EngineConfig` (see `ridge.settings.describe(EngineConfig)`); every value is
-    checked before anything is loaded and a bad one raises ValueError naming it."""
+    checked before anything is loaded and a bad one raises ValueError naming it. Under torchrun
+    (distributed_executor_backend="external_launcher") only rank 0 gets an LLM: on the other
+    ranks the constructor serves rank 0's steps and then exits the process (SystemExit(0))."""
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **settings):
         if not isinstance(show_progress, bool):
             raise ValueError(f"show_progress: must be true or false, got {show_progress!r}")
         cfg, model_cfg = EngineConfig.from_kwargs(model=model, **settings).resolve()
+        if cfg.tensor_parallel_size > 1 and cfg.distributed_executor_backend == "external_launcher" \
+                and launched().rank > 0:
+            serve_launched(cfg, model_cfg)          # a torchrun rank > 0 serves rank 0's engine, then its job ends
+            raise SystemExit(0)
         # tensor parallelism: ranks 1.. start (and load their shares) while this process loads its own
         workers = WorkerPool(cfg, model_cfg) if cfg.tensor_parallel_size > 1 else None
         try:

@@ -2,6 +2,10 @@
 share of every forward and samples. Ranks 1..N-1 are worker processes started here
 (torch.multiprocessing, spawn), one a GPU (rank r on cuda:r) or, on a CPU, one a share of the host's
 cores; each loads its share of the model and then runs, beside rank 0, every step rank 0 plans.
+Under torchrun (distributed_executor_backend "external_launcher") the launcher started every
+rank: rank 0's LLM joins them through torchrun's environment, and LLM(...) on a rank > 0 runs
+`serve_launched` (the same loop) until rank 0 closes. Ranks on several hosts share no memory:
+there a broadcast channel (ridge/runner/step_broadcast.py) carries the same messages.
 
 How a step reaches them: rank 0 writes the step's plan (ridge/runner/step_message.py, a fixed
 binary layout) into the next slot of a shared-memory ring (ridge/runner/step_ring.py: one
@@ -17,7 +21,9 @@ with a dead peer errors out (gloo: the connection resets; NCCL: the thread abort
 communicators), and a hung rank is caught by the collectives' timeout (distributed_timeout_seconds).
 After a failure the ranks can no longer agree on what runs next, so the pool kills what is left of
 it and removes the ring's segment; every later step raises the same error. A worker whose rank 0
-is gone exits on its own (it checks its parent while it waits for a step).
+is gone exits on its own (it checks its parent while it waits for a step). Under torchrun the
+launcher watches the processes (it ends the job when one fails); rank 0 sees a dead or hung rank
+through its collectives and the timeout, without a name for it.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ridge.config import EngineConfig, ModelConfig
-from ridge.parallel import RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel
+from ridge.parallel import RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel, launched
+from ridge.runner.step_broadcast import BroadcastChannel
 from ridge.runner.step_message import (STOP, SETUP, encode_plan, encode_setup, encode_stop, max_message_bytes,
                                        read_message)
 from ridge.runner.step_ring import StepRing
@@ -44,6 +51,7 @@ HOST = "127.0.0.1"
 RING_SLOTS = 8              # steps rank 0 may run ahead of the slowest worker before it waits
 POLL_S = 1.0                # an idle worker checks that its rank 0 still lives this often
 STOP_JOIN_S = 30.0          # a stopped worker's time to leave its group and exit
+NAME_BYTES = 64             # a shared-memory segment's name, broadcast to torchrun's ranks
 CAUSE_WAIT_S = 2.0          # after a failed collective, how long to wait for a death to name it
 
 
@@ -73,33 +81,40 @@ class WorkerPool:
         self.on_failure: list = []                       # callback(message), from the watcher thread
         self._died = threading.Event()
         self._waiting_since: float | None = None        # rank 0 blocked on the device since (host_tokens)
-        store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        slot_bytes = ring_slot_bytes(cfg)
-        self.ring = StepRing.create(RING_SLOTS, slot_bytes, size - 1)
-        self.ring_name = self.ring.name
-        ctx = mp.get_context("spawn")
-        self.procs, self.pipes = [], []
+        self.procs, self.pipes, self.pids, self.ring, self.tp = [], [], [], None, None
         try:
-            for rank in range(1, size):
-                receive, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=worker_main, name=f"ridge-tp-rank{rank}", daemon=True,
-                                args=(rank, cfg, model_cfg, store.port, self.ring_name, slot_bytes, os.getpid(), send))
-                p.start()
-                send.close()
-                self.procs.append(p)
-                self.pipes.append(receive)
-            self.pids = [p.pid for p in self.procs]
-            self._await_joining()
-            device = torch.device("cuda", 0) if cfg.device.type == "cuda" else share_cores(cfg.device, size)
-            self.tp = init_tensor_parallel(0, size, device, store, timeout)
+            if cfg.distributed_executor_backend == "external_launcher":
+                job = launched()                         # torchrun started every rank: join them
+                self.tp = init_tensor_parallel(0, size, rank_device(cfg, 0, job.local_size), None, timeout)
+                self.ring = open_channel(self.tp, job.one_host, ring_slot_bytes(cfg))
+            else:
+                self._spawn(cfg, model_cfg)
         except BaseException:
-            self.tp = None
             self._kill()
             self._release()
             raise
-        self._store = store
+        self.ring_name = self.ring.name
         threading.Thread(target=self._watch, name="ridge-tp-watch", daemon=True).start()
+
+    def _spawn(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+        """Start ranks 1.. on this host, each told the group's store and the ring's segment."""
+        size, timeout = cfg.tensor_parallel_size, cfg.distributed_timeout_seconds
+        self._store = store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=timeout))
+        slot_bytes = ring_slot_bytes(cfg)
+        self.ring = StepRing.create(RING_SLOTS, slot_bytes, size - 1)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, size):
+            receive, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, name=f"ridge-tp-rank{rank}", daemon=True,
+                            args=(rank, cfg, model_cfg, store.port, self.ring.name, slot_bytes, os.getpid(), send))
+            p.start()
+            send.close()
+            self.procs.append(p)
+            self.pipes.append(receive)
+        self.pids = [p.pid for p in self.procs]
+        self._await_joining()
+        self.tp = init_tensor_parallel(0, size, rank_device(cfg, 0, size), store, timeout)
 
     def _await_joining(self) -> None:
         """Wait until every worker is about to join the group (it says so down its pipe) or has
@@ -258,34 +273,37 @@ class WorkerPool:
             destroy_tensor_parallel(self.tp)
 
 
+def rank_device(cfg: EngineConfig, local_rank: int, local_size: int) -> torch.device:
+    """A rank's device: cuda:<its rank on this host>, or the CPU with its share of the cores."""
+    return torch.device("cuda", local_rank) if cfg.device.type == "cuda" else share_cores(cfg.device, local_size)
+
+
+def open_channel(tp, one_host: bool, slot_bytes: int):
+    """Every rank of a torchrun job: the step ring when all ranks share this host (rank 0 makes
+    it and broadcasts its name), else a broadcast channel (ridge/runner/step_broadcast.py)."""
+    if not one_host:
+        return BroadcastChannel(tp.rank)
+    name, ring = torch.zeros(NAME_BYTES, dtype=torch.uint8), None
+    if tp.rank == 0:
+        ring = StepRing.create(RING_SLOTS, slot_bytes, tp.size - 1)
+        name[:len(ring.name)] = torch.tensor(list(ring.name.encode()), dtype=torch.uint8)
+    dist.broadcast(name, src=0, group=tp.host_group or tp.group)
+    return ring or StepRing.attach(bytes(name.tolist()).rstrip(b"\0").decode(), RING_SLOTS, slot_bytes, tp.size - 1)
+
+
 def worker_main(rank: int, cfg: EngineConfig, model_cfg: ModelConfig, store_port: int, ring_name: str,
                 slot_bytes: int, parent_pid: int, errors) -> None:
-    """Rank `rank`'s process: join the group, load this rank's share of the model, size the KV
-    pool with the others, then run each plan from the ring until told to stop."""
-    from ridge.runner.model_runner import ModelRunner
-
+    """A spawned rank's process: join the group, attach the ring, then serve_steps; its last
+    error goes down `errors` for rank 0 to name."""
     size, tp, ring = cfg.tensor_parallel_size, None, None
     try:
-        device = torch.device("cuda", rank) if cfg.device.type == "cuda" else share_cores(cfg.device, size)
-        cfg = dataclasses.replace(cfg, device=device)
+        device = rank_device(cfg, rank, size)
         store = dist.TCPStore(HOST, store_port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=cfg.distributed_timeout_seconds))
         errors.send_bytes(b"")                   # joining the group now
         tp = init_tensor_parallel(rank, size, device, store, cfg.distributed_timeout_seconds)
         ring = StepRing.attach(ring_name, RING_SLOTS, slot_bytes, size - 1)
-        runner = ModelRunner(cfg, model_cfg, show_progress=False, tp=tp)
-        runner.pages_fitting()
-        while True:
-            message = _next_message(ring, rank - 1, parent_pid)
-            if message is None:
-                return                           # rank 0 is gone
-            kind, content = read_message(message)
-            if kind == STOP:
-                return
-            if kind == SETUP:
-                runner.start(*content)
-            else:
-                runner.run(content)
+        serve_steps(dataclasses.replace(cfg, device=device), model_cfg, tp, ring, parent_pid)
     except BaseException as e:
         try:
             errors.send_bytes(f"{type(e).__name__}: {e}".encode()[:4096])
@@ -299,10 +317,46 @@ def worker_main(rank: int, cfg: EngineConfig, model_cfg: ModelConfig, store_port
             destroy_tensor_parallel(tp)
 
 
-def _next_message(ring: StepRing, consumer: int, parent_pid: int) -> bytes | None:
+def serve_launched(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+    """A rank > 0 of a torchrun job (distributed_executor_backend external_launcher): join the
+    group through torchrun's environment, open the channel rank 0 opens, then serve_steps."""
+    job = launched()
+    device = rank_device(cfg, job.local_rank, job.local_size)
+    tp = init_tensor_parallel(job.rank, job.size, device, None, cfg.distributed_timeout_seconds)
+    try:
+        channel = open_channel(tp, job.one_host, ring_slot_bytes(cfg))
+        try:
+            serve_steps(dataclasses.replace(cfg, device=device), model_cfg, tp, channel, None)
+        finally:
+            channel.close()
+    finally:
+        destroy_tensor_parallel(tp)
+
+
+def serve_steps(cfg: EngineConfig, model_cfg: ModelConfig, tp, channel, parent_pid: int | None) -> None:
+    """Load this rank's share of the model, size the KV pool with the other ranks, then run each
+    plan from the channel until told to stop (or, with parent_pid, until rank 0's process is gone)."""
+    from ridge.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(cfg, model_cfg, show_progress=False, tp=tp)
+    runner.pages_fitting()
+    while True:
+        message = _next_message(channel, tp.rank - 1, parent_pid)
+        if message is None:
+            return                           # rank 0 is gone
+        kind, content = read_message(message)
+        if kind == STOP:
+            return
+        if kind == SETUP:
+            runner.start(*content)
+        else:
+            runner.run(content)
+
+
+def _next_message(channel, consumer: int, parent_pid: int | None) -> bytes | None:
     while True:
         try:
-            return ring.consume(consumer, timeout=POLL_S)
+            return channel.consume(consumer, timeout=POLL_S)
         except TimeoutError:
-            if os.getppid() != parent_pid:
+            if parent_pid is not None and os.getppid() != parent_pid:
                 return None
