@@ -265,8 +265,8 @@ class EngineConfig:
         else:
             gpus = tp
         if dev.type == "cuda" and (dev.index or gpus > torch.cuda.device_count()):
-            raise ValueError(f"{name}: a rank runs on cuda:<its local rank>, so the device must be 'cuda' (or auto) and "
-                             f"{gpus} GPUs visible; got device {dev} with {torch.cuda.device_count()} GPUs")
+            raise ValueError(f"{name}: a rank runs on cuda:<its local rank>, so the device must be 'cuda' (or auto) "
+                             f"and {gpus} GPUs visible; got device {dev} with {torch.cuda.device_count()} GPUs")
 
     def kv_budget(self) -> int:
         """Bytes for the KV pool of a resolved config, measured after the model is loaded."""

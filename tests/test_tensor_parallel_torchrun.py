@@ -77,5 +77,6 @@ def test_ridge_generate_under_torchrun(checkpoints):
 def test_external_launcher_outside_torchrun_is_refused(checkpoints, monkeypatch):
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ValueError, match="^distributed_executor_backend: 'external_launcher' runs in processes torchrun"):
-        LLM(checkpoints("llama"), device="cpu", tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match="^distributed_executor_backend: 'external_launcher' runs in processes"):
+        LLM(checkpoints("llama"), device="cpu", tensor_parallel_size=2,
+            distributed_executor_backend="external_launcher")
