@@ -58,7 +58,8 @@
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
 #   tp-tests       pytest -m gpu tests/test_tp_gpu.py: TP = 2 on two GPUs over NCCL (float32 tokens = TP = 1 = HF; bf16
-#                  with decode graphs and overlap; a killed worker) -- needs a 2-GPU kind (nvidia-h100-x2)
+#                  with decode graphs and overlap, dense and MoE; a killed and a hung worker; ridge generate under
+#                  torchrun) -- needs a 2-GPU kind (nvidia-h100-x2)
 #   tp             benchmarks/tp.py decode: TP = 1 vs TP = 2 decode of the 8B and 70B shapes (config only, dummy
 #                  weights; a shape whose share does not fit a GPU is skipped), batch 1 and 64 (TP_ARGS passes
 #                  flags, e.g. --tp 1 2 4) -> tp_decode.json -- 2+ GPUs

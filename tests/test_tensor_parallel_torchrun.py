@@ -64,7 +64,7 @@ def test_two_nodes_take_the_broadcast_channel(checkpoints, tmp_path, want):
 def test_ridge_generate_under_torchrun(checkpoints):
     path = checkpoints("llama")
     one = LLM(path, device="cpu", show_progress=False, max_model_len=256).generate(
-        "def fib(n):", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+        "def fib(n):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
     run = subprocess.run(torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "ridge", "generate",
                                   "--model", path, "--device", "cpu", "--max-model-len", "256", "--max-tokens", "8",
                                   "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher",

@@ -122,3 +122,23 @@ def test_hung_worker_under_nccl_fails_after_the_timeout(model):
     llm.close()
     assert released(pool)
 
+
+def test_ridge_generate_under_torchrun_on_two_gpus(model):
+    """torchrun starts both ranks (external_launcher): NCCL through env://, the ring on one host."""
+    import subprocess
+    import sys
+
+    from tests_support import free_port
+
+    kw = dict(dtype="float32", attention_backend="torch", max_model_len=256, show_progress=False)
+    want = LLM(model, **kw).generate("def fib(n):", SamplingParams(temperature=0, max_tokens=12),
+                                     use_tqdm=False)[0].outputs[0].text
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "-m", "ridge", "generate", "--model", model, "--dtype", "float32",
+                          "--attention-backend", "torch", "--max-model-len", "256", "--max-tokens", "12",
+                          "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher",
+                          "def fib(n):"], env=dict(os.environ, PYTHONPATH=os.getcwd()), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == want + "\n"
+
