@@ -65,18 +65,28 @@
 #                  -> lat_mla_fp8_b{1,64}.json
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
+#   tp-tests       pytest -m gpu tests/test_tp_gpu.py: TP = 2 on two GPUs over NCCL (float32 tokens = TP = 1 = HF; bf16
+#                  with decode graphs and overlap, dense and MoE; a killed and a hung worker; ridge generate under
+#                  torchrun) -- needs a 2-GPU kind (nvidia-h100-x2)
+#   tp             benchmarks/tp.py decode: TP = 1 vs TP = 2 decode of the 8B and 70B shapes (config only, dummy
+#                  weights; a shape whose share does not fit a GPU is skipped), batch 1 and 64 (TP_ARGS passes
+#                  flags, e.g. --tp 1 2 4) -> tp_decode.json -- 2+ GPUs
+#   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
+#                  without them) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
+#                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
+# Every part runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off).
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
 # when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
 # waits for it to finish first.
 #   PARTS=tests-kernels,ab,dummy,tests-engine bash benchmarks/gpu_run.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,tp-tests,tp,tp-comm
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
@@ -266,3 +276,8 @@ part moe-roofline 100 300 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-3
 part moe-mixtral 150 500 "python3 -m ridge.utils.random_checkpoint /tmp/mixtral-8x7b --arch mixtral --preset mixtral-8x7b \
     --config-only > /dev/null && python3 benchmarks/moe.py e2e --model /tmp/mixtral-8x7b --batches 1 \
     --kv-cache-memory 4e9 --json $OUT/moe_mixtral.json 2>&1 | grep -v -i warn"
+part tp-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_tp_gpu.py 2>&1 | tee -a $TESTS | tail -15"
+part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b ${TP_ARGS:-} --json $OUT/tp_decode.json \
+    2>&1 | grep -v -i warn | tail -30"
+part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
+    | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"

@@ -45,6 +45,9 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     from ridge.eval_ppl import compare, heldout_files, perplexity
 
     cfg = settings.from_args(EngineConfig, a)
+    if a.compare and cfg.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: --compare reads the model's hidden states in this process; run it "
+                         f"with 1 (got {cfg.tensor_parallel_size})")
     llm = LLM(show_progress=False, **cfg.as_kwargs())
     files = a.files or heldout_files(llm.engine.cfg.model)
     if a.compare:
@@ -120,9 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def serve_rank_0(a: argparse.Namespace) -> bool:
+    """Under torchrun (--distributed-executor-backend external_launcher), a rank > 0 runs no command
+    (no server to bind, no prompt to print): it serves rank 0's engine until it closes. True when
+    this process did that."""
+    if getattr(a, "distributed_executor_backend", None) != "external_launcher" or a.tensor_parallel_size == 1:
+        return False
+    from ridge.parallel import launched
+    if launched().rank == 0:
+        return False
+    from ridge import LLM
+    try:
+        LLM(show_progress=False, **settings.from_args(EngineConfig, a).as_kwargs())
+    except SystemExit:          # what a rank > 0's LLM(...) ends with once rank 0 has closed
+        pass
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        if serve_rank_0(a):
+            return 0
         return a.func(a)
     except ValueError as e:
         print(f"ridge: error: {e}", file=sys.stderr)

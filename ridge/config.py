@@ -14,6 +14,7 @@ import torch
 
 from ridge import settings
 from ridge.model_config import ModelConfig, parse_dtype
+from ridge.parallel import launched
 from ridge.settings import setting
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -166,6 +167,18 @@ class EngineConfig:
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, '
              '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": B}',
         default_text="off")
+    tensor_parallel_size: int = setting(
+        1, minimum=1, aliases=("-tp",),
+        help="split the model across this many GPUs (CPU processes on a CPU), one process each: rank 0 "
+             "schedules and samples, ranks 1.. run the same forward on their share of the heads and columns")
+    distributed_executor_backend: str = setting(
+        "mp", choices=("mp", "external_launcher"),
+        help="with tensor_parallel_size > 1, who starts the ranks: mp, ridge (one process a GPU on this host); "
+             "external_launcher, torchrun (torchrun --nproc-per-node N, across nodes with its rendezvous): rank 0 "
+             "runs the engine, LLM(...) on the other ranks serves it until it closes, then exits the process")
+    distributed_timeout_seconds: float = setting(
+        300.0, above=0, help="with tensor_parallel_size > 1: a collective that waits longer than this for a rank "
+                             "fails the engine (a hung rank); a rank that dies is reported at once")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
 
     def __post_init__(self):
@@ -220,8 +233,40 @@ class EngineConfig:
             if draft.vocab_size != model_cfg.vocab_size:
                 raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
                                  f"the target's ({model_cfg.vocab_size})")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model_cfg, dev)
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
                                    max_model_len=max_len), model_cfg
+
+    def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
+        """What ridge splits so far: the Llama family's heads and MLP columns (experts' too); INT4
+        groups and packed words are checked as each layer loads (ridge/layers/quant/int4.py)."""
+        tp, name = self.tensor_parallel_size, "tensor_parallel_size"
+        spec = self.speculation
+        unsupported = ("latent attention (DeepSeek)" if m.mla is not None else
+                       "speculative decoding with a draft model" if spec and spec.method == "draft_model" else None)
+        if unsupported:
+            raise ValueError(f"{name}: {unsupported} cannot run tensor-parallel yet (got {tp})")
+        widths = (("the number of attention heads", m.num_heads), ("the MLP's intermediate size", m.intermediate_size))
+        if m.moe is not None:
+            widths += (("each expert's intermediate size", m.moe.expert_size),
+                       ("the shared expert's intermediate size", m.moe.shared_expert_size))
+        for what, n in widths:
+            if n % tp:
+                raise ValueError(f"{name}: {what} ({n}) must be divisible by it, got {tp}")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            raise ValueError(f"{name}: the KV heads ({m.num_kv_heads}) must be divisible by it, or it by them "
+                             f"(each rank then holds a copy of one KV head), got {tp}")
+        if self.distributed_executor_backend == "external_launcher":
+            job = launched()
+            if job.size != tp:
+                raise ValueError(f"{name}: must be the number of processes torchrun started ({job.size}), got {tp}")
+            gpus = job.local_size
+        else:
+            gpus = tp
+        if dev.type == "cuda" and (dev.index or gpus > torch.cuda.device_count()):
+            raise ValueError(f"{name}: a rank runs on cuda:<its local rank>, so the device must be 'cuda' (or auto) "
+                             f"and {gpus} GPUs visible; got device {dev} with {torch.cuda.device_count()} GPUs")
 
     def kv_budget(self) -> int:
         """Bytes for the KV pool of a resolved config, measured after the model is loaded."""

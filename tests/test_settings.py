@@ -51,6 +51,9 @@ BAD = [
     ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2}),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}),
+    ("tensor_parallel_size", 0), ("tensor_parallel_size", 1.5), ("tensor_parallel_size", True),
+    ("distributed_timeout_seconds", 0), ("distributed_timeout_seconds", math.inf),
+    ("distributed_executor_backend", "ray"), ("distributed_executor_backend", None),
 ]
 
 
@@ -215,7 +218,8 @@ def test_config_modules_import_nothing_above_them():
         tree = ast.parse(open(mod.__file__).read())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
                    {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        # ridge.assets (the bundled demo model's path) sits beside them, below everything else
+        # ridge.assets (the bundled demo model's path) and ridge.parallel (torchrun's environment)
+        # sit beside them, below everything else
         assert {m for m in imported if m.startswith("ridge")} <= {"ridge", "ridge.settings", "ridge.assets",
-                                                                  "ridge.model_config"}
+                                                                  "ridge.model_config", "ridge.parallel"}
     assert dataclasses.is_dataclass(EngineConfig)

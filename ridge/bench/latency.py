@@ -151,7 +151,9 @@ def run_latency(llm, batch: int, input_len: int, output_len: int, num_iters: int
     result.update(decode_utilization(engine, [s for r in iters for s in r["decode_steps"]], roofline))
     graphs = engine.runner.decode_graphs
     # the decode step's GPU time alone (one graph replay): ITL minus this is host overhead
-    result["decode_graph_gpu_s"] = graph_replay_seconds(graphs, batch) if graphs is not None else None
+    # (one rank's graph alone cannot replay: its collectives wait for the other ranks)
+    result["decode_graph_gpu_s"] = graph_replay_seconds(graphs, batch) \
+        if graphs is not None and cfg.tensor_parallel_size == 1 else None
     return result
 
 

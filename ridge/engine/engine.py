@@ -152,7 +152,8 @@ class Engine:
                 and (self.speculator is None or not self.speculator.active(self.scheduler.running)):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
-        return self._outputs(self.committer.commit(seqs, tokens.tolist(), info_on_host(info)), finished_only)
+        return self._outputs(self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info)),
+                             finished_only)
 
     def _commit_speculative(self, items: list, logits) -> list[Request]:
         """A step with drafts: each sampling item has num_draft + 1 logits rows. Items without
@@ -169,7 +170,7 @@ class Engine:
         if rows:
             lasts = [ends[plain[r]] - 1 for r in rows]
             tokens, info = self.runner.sample(logits[self.runner.to_device(lasts, torch.int64)], seqs, self.eos_ids)
-            touched = self.committer.commit(seqs, tokens.tolist(), info_on_host(info))
+            touched = self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info))
         for j in range(max(map(len, emitted))):
             at = [r for r, e in enumerate(emitted) if len(e) > j and not spec[r].seq.is_finished]
             if not at:

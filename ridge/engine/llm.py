@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
 
 from tqdm.auto import tqdm
 
@@ -14,6 +15,8 @@ from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.speculation import build_speculator
 from ridge.runner.model_runner import ModelRunner
+from ridge.parallel import launched
+from ridge.runner.workers import WorkerPool, serve_launched
 from ridge.settings import fields as setting_fields
 
 
@@ -28,27 +31,40 @@ def load_tokenizer(path: str):
 class LLM:
     """The offline engine. `LLM(model, **settings)` takes exactly the fields of
     `ridge.config.EngineConfig` (see `ridge.settings.describe(EngineConfig)`); every value is
-    checked before anything is loaded and a bad one raises ValueError naming it."""
+    checked before anything is loaded and a bad one raises ValueError naming it. Under torchrun
+    (distributed_executor_backend="external_launcher") only rank 0 gets an LLM: on the other
+    ranks the constructor serves rank 0's steps and then exits the process (SystemExit(0))."""
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **settings):
         if not isinstance(show_progress, bool):
             raise ValueError(f"show_progress: must be true or false, got {show_progress!r}")
         cfg, model_cfg = EngineConfig.from_kwargs(model=model, **settings).resolve()
-        runner = ModelRunner(cfg, model_cfg, show_progress=show_progress)
-        speculator, draft_runner = build_speculator(cfg, model_cfg, runner, show_progress)
-        # a draft model's pool holds as many pages as the target's: the budget pays for both
-        page_bytes = runner.kv_bytes_per_page() + (draft_runner.kv_bytes_per_page() if draft_runner else 0)
-        cfg.num_pages = max(cfg.kv_budget(), 0) // page_bytes
-        if cfg.num_pages < 1:
-            name = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
-            raise ValueError(f"{name}: too small to hold a single KV page")
-        runner.allocate_kv_cache(cfg.num_pages)
-        runner.warm_up_prefill()
-        verify = (cfg.speculation.num_speculative_tokens + 1, min(cfg.max_num_seqs, speculator.cutoff)) \
-            if speculator is not None else ()
-        runner.setup_decode(not cfg.enforce_eager, *verify)      # verify steps replay graphs of their own
-        if draft_runner is not None:
-            speculator.proposer.allocate(cfg.num_pages, use_graphs=not cfg.enforce_eager)
+        if cfg.tensor_parallel_size > 1 and cfg.distributed_executor_backend == "external_launcher" \
+                and launched().rank > 0:
+            serve_launched(cfg, model_cfg)          # a torchrun rank > 0 serves rank 0's engine, then its job ends
+            raise SystemExit(0)
+        # tensor parallelism: ranks 1.. start (and load their shares) while this process loads its own
+        workers = WorkerPool(cfg, model_cfg) if cfg.tensor_parallel_size > 1 else None
+        try:
+            runner = ModelRunner(cfg, model_cfg, show_progress=show_progress, workers=workers)
+            speculator, draft_runner = build_speculator(cfg, model_cfg, runner, show_progress)
+            # a draft model's pool holds as many pages as the target's: the budget pays for both
+            cfg.num_pages = runner.pages_fitting(draft_runner.kv_bytes_per_page() if draft_runner else 0)
+            if cfg.num_pages < 1:
+                name = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
+                raise ValueError(f"{name}: too small to hold a single KV page")
+            verify = (cfg.speculation.num_speculative_tokens + 1, min(cfg.max_num_seqs, speculator.cutoff)) \
+                if speculator is not None else ()
+            runner.start(cfg.num_pages, not cfg.enforce_eager, *verify)   # verify steps replay graphs of their own
+            if draft_runner is not None:
+                speculator.proposer.allocate(cfg.num_pages, use_graphs=not cfg.enforce_eager)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        # the workers stop (and the ring's segment goes) when the LLM is closed or collected, or at exit
+        self._workers = workers
+        self._close = weakref.finalize(self, workers.close) if workers is not None else lambda: None
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
@@ -77,6 +93,24 @@ class LLM:
             for rid in ids:                   # all or nothing: their pages go back to the pool
                 self.engine.abort(rid)
             raise
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker processes and remove its shared memory (also done
+        when the LLM is garbage-collected or the interpreter exits); nothing to do for one rank."""
+        self._close()
+
+    def on_failure(self, callback) -> None:
+        """Have `callback(message)` called, from another thread, as soon as a tensor-parallel rank
+        dies (the message names it and why); the engine's next step raises RankFailure. One rank:
+        never called."""
+        if self._workers is not None:
+            self._workers.on_failure.append(callback)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (an unknown or finished id is ignored, as in vLLM)."""

@@ -18,6 +18,7 @@ from ridge.kernels.attention_triton import triton_paged_attention
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.cost import OpCost, StepShape
+from ridge.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,20 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
     if name in ("auto", "triton"):
         return AttentionBackend("triton", rope_write_kv, triton_paged_attention, kv_rotation)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
+
+
+def rank_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, first query head, first KV head) of this tensor-parallel rank: an
+    equal share of the query heads and of the KV heads, or, with fewer KV heads than ranks, a copy
+    of the one KV head its query heads read (the cache then holds it on each of those ranks)."""
+    first_q, heads = tp.split(num_heads, "the number of attention heads")
+    if num_kv_heads >= tp.size:
+        first_kv, kv_heads = tp.split(num_kv_heads, "the number of KV heads")
+        return heads, kv_heads, first_q, first_kv
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size: must be a multiple of the KV heads ({num_kv_heads}) when larger "
+                         f"than their number, got {tp.size}")
+    return heads, 1, first_q, first_q // (num_heads // num_kv_heads)
 
 
 def attention_pairs(query_len: int, context_len: int, window: int | None = None) -> int:

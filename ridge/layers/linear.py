@@ -20,6 +20,13 @@ shards, bias and input activation, and states the quantized bytes in its cost. W
 serves the batch (`takes_fp8(rows)`), the kernel producing the input may quantize it on its way out:
 the input activation (forward(x, fp8=True)), or the RMSNorm wired to the layer (RMSNorm(feeds=...));
 such a layer is `fp8_producer` and states no quantization pass of its own.
+
+Tensor parallelism (`tp`, ridge/parallel.py): a column-parallel layer holds this rank's rows of
+each shard (`sources`: where they sit in the checkpoint tensor; an even split unless the caller
+says otherwise, as attention does for KV heads copied onto several ranks), a row-parallel layer
+this rank's share of the input columns, its partial outputs summed by one all-reduce. Its bias is
+whole on every rank and added by rank 0 alone, inside the same GEMM, so the sum counts it once.
+`in_features` / `out_features` are this rank's, and so is the cost the layer states.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
+from ridge.parallel import SINGLE, TensorParallel
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 from ridge.layers.cost import FP8_ACT, OpCost, Precision, StepShape, act_quant_cost, gemm_cost, precision_of
 
@@ -37,23 +45,39 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
 
 
+PARALLEL_KINDS = (None, "column", "row")
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: dict[str, int] | int, bias: bool = False,
-                 input_act: nn.Module | None = None, quant=None):
+                 input_act: nn.Module | None = None, quant=None, tp: TensorParallel = SINGLE,
+                 parallel: str | None = None, slices: dict[str, tuple[int, int]] | None = None):
+        """out_sizes: the checkpoint's rows of each shard. parallel: None (whole on every rank),
+        "column" (this rank's rows of each shard: `slices`, shard -> (first row, rows), default
+        the even split) or "row" (this rank's share of the input columns, outputs all-reduced)."""
         super().__init__()
+        if parallel not in PARALLEL_KINDS:
+            raise ValueError(f"parallel: must be one of {PARALLEL_KINDS}, got {parallel!r}")
         out_sizes = {"": out_sizes} if isinstance(out_sizes, int) else out_sizes
-        self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows)
+        self.tp, self.parallel = tp, parallel if tp.size > 1 else None
+        self.full_sizes, self.full_in = dict(out_sizes), in_features
+        self.sources: dict[str, tuple[int, int]] = {      # shard id -> (first row, rows) of the checkpoint's
+            name: (slices or {}).get(name) or tp.split(size, f"a projection's {size} output rows")
+            if self.parallel == "column" else (0, size) for name, size in out_sizes.items()}
+        self.in_slice = tp.split(in_features, f"a projection's {in_features} input columns") \
+            if self.parallel == "row" else (0, in_features)
+        self.shards: dict[str, tuple[int, int]] = {}      # shard id -> (first row, rows) of this rank's
         offset = 0
-        for name, size in out_sizes.items():
-            self.shards[name], offset = (offset, size), offset + size
-        self.in_features, self.out_features = in_features, offset
+        for name, (_, rows) in self.sources.items():
+            self.shards[name], offset = (offset, rows), offset + rows
+        self.in_features, self.out_features = self.in_slice[1], offset
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
         param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
                                                  self.weight_loader, shard_ids)
         # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
         self.quant_method = quant.linear_method(self) if quant is not None else None
         if self.quant_method is None or getattr(self.quant_method, "loads_float_weight", False):
-            self.weight = param(offset, in_features)     # FP8 at load: quantized once loaded
+            self.weight = param(offset, self.in_features)    # FP8 at load: quantized once loaded
         self.bias = param(offset) if bias else None
         self.input_act = input_act
         # the kernel producing the input quantizes it for an FP8 GEMM (its own input activation
@@ -71,9 +95,34 @@ class Linear(nn.Module):
             raise ValueError(f"is shard {shard_id!r} of a parameter with shards {param.shard_ids}")
         return self.shards[shard_id] if shard_id is not None else (0, self.out_features)
 
+    def rank_share(self, loaded: torch.Tensor, shard_id: str | None, out_dim: int | None = 0, out_per: int = 1,
+                   in_dim: int | None = 1, in_per: int = 1) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor of shard_id: its outputs (column-parallel) or its
+        inputs (row-parallel), whole for a layer that is not split. out_dim / in_dim: the tensor's
+        dimension of outputs / inputs (None: it has none, e.g. a bias has no inputs: a row-parallel
+        bias is whole, rank 0 adds it); out_per / in_per: how many outputs / inputs one element of
+        that dimension stands for (8 in a packed int32 word, G in a group's scale)."""
+        if self.parallel == "column" and out_dim is not None:
+            full, (start, count) = self.full_sizes[shard_id or ""], self.sources[shard_id or ""]
+            return self._cut(loaded, out_dim, out_per, full, start, count, "outputs")
+        if self.parallel == "row" and in_dim is not None:
+            return self._cut(loaded, in_dim, in_per, self.full_in, *self.in_slice, "inputs")
+        return loaded
+
+    def _cut(self, loaded: torch.Tensor, dim: int, per: int, full: int, start: int, count: int, what: str):
+        if loaded.shape[dim] * per != full:
+            raise ValueError(f"has {loaded.shape[dim] * per} {what}, expected {full} (split across "
+                             f"{self.tp.size} tensor-parallel ranks)")
+        if start % per or count % per:
+            raise ValueError(f"cannot be split across {self.tp.size} tensor-parallel ranks: a rank's {count} "
+                             f"{what} from {start} would cut a block of {per} (a packed word or a group)")
+        return loaded.narrow(dim, start // per, count // per)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        """Copy a checkpoint tensor into param, or into its rows for shard_id of a merged layer."""
+        """Copy a checkpoint tensor (this rank's part of it) into param, or into its rows for
+        shard_id of a merged layer."""
         rows = self.shard_slot(param, shard_id)
+        loaded = self.rank_share(loaded, shard_id, in_dim=1 if loaded.dim() == 2 else None)
         default_weight_loader(param if shard_id is None else param.data.narrow(0, *rows), loaded)
 
     def finish_loading(self) -> None:
@@ -106,19 +155,21 @@ class Linear(nn.Module):
         return self.fp8_producer and step.weights is None and self.takes_fp8(rows)
 
     def forward(self, x):
-        """input_act(x) @ weight^T (+ bias); x may be an Fp8Activation where takes_fp8."""
+        """input_act(x) @ weight^T (+ bias); x may be an Fp8Activation where takes_fp8; row-parallel:
+        summed over the ranks."""
+        bias = self.bias if self.parallel != "row" or self.tp.rank == 0 else None
         if self.quant_method is not None:
             if self.input_act is not None:
                 fp8 = self.fp8_producer and self.takes_fp8(x.shape[:-1].numel())
                 x = self.input_act(x, fp8=True) if fp8 else self.input_act(x)
-            return self.quant_method.apply(self, x)
-        gemv_path = uses_gemv(x, self.weight)
-        act = getattr(self.input_act, "gemv_act", None)
-        if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
-            x, act = self.input_act(x), None
-        if gemv_path:
-            return gemv(x, self.weight, self.bias, act=act)
-        return F.linear(x, self.weight, self.bias)
+            y = self.quant_method.apply(self, x, bias)
+        else:
+            gemv_path = uses_gemv(x, self.weight)
+            act = getattr(self.input_act, "gemv_act", None)
+            if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
+                x, act = self.input_act(x), None
+            y = gemv(x, self.weight, bias, act=act) if gemv_path else F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
 
     def weight_precision(self, step: StepShape, rows: int | None = None) -> Precision:
         """The step's what-if format, else its own for `rows` rows: INT4 with its group scales, FP8

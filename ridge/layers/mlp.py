@@ -9,14 +9,20 @@ from torch import nn
 from ridge.layers.activation import SiluAndMul
 from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
+from ridge.parallel import SINGLE, TensorParallel
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, quant=None):
+    """Under tensor parallelism each rank holds an equal share of the intermediate columns: gate
+    and up column-parallel, down row-parallel (one all-reduce of its partial sums)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, quant=None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
-                                   bias=bias, quant=quant)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, input_act=SiluAndMul(), quant=quant)
+                                   bias=bias, quant=quant, tp=tp, parallel="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, input_act=SiluAndMul(), quant=quant,
+                                tp=tp, parallel="row")
 
     @property
     def input_proj(self) -> Linear:

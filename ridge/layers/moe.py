@@ -24,6 +24,10 @@ their FLOPs are those of the routed (token, expert) pairs. The layer keeps the l
 expert choice (`routed`, the kernels' own output tensor: no copy, no sync) so that a cost stated
 after a measured step counts the experts actually touched and can report the load per expert;
 without one it assumes uniform routing.
+
+Tensor parallelism (`tp`): each rank holds every expert's share of the intermediate dimension
+(its rows of gate and up, its columns of down), so the routing and the kernels run unchanged on
+narrower experts and the partial outputs are summed by one all-reduce.
 """
 from __future__ import annotations
 
@@ -35,15 +39,18 @@ from ridge.kernels.moe_route import route_grouped_ref, route_topk, route_topk_re
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.quant.fp8 import quantize_fp8_block
 from ridge.layers.weights import default_weight_loader, set_weight_loader
+from ridge.parallel import SINGLE, TensorParallel
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, expert_size: int, renormalize: bool,
-                 grouped=None, fp8: bool = False):
+                 grouped=None, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.fp8, self.w13_fp8, self.w2_fp8 = fp8, None, None       # Fp8Experts once loaded
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.grouped = grouped      # DeepSeek's routing (ridge.model_config.GroupedRouting), else softmax top-k
+        # expert_size: this rank's share of each expert's intermediate columns (first: `first`)
+        self.tp, (self.first, expert_size) = tp, tp.split(expert_size, "each expert's intermediate size")
         self.hidden_size, self.expert_size = hidden_size, expert_size
         experts = range(num_experts)
         self.w13_weight = set_weight_loader(
@@ -56,15 +63,19 @@ class FusedMoE(nn.Module):
         self.routed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        """One expert's gate, up or down matrix into its rows of the merged parameter."""
+        """One expert's gate, up or down matrix (this rank's rows or columns of it) into its place in
+        the merged parameter."""
         if shard_id not in param.shard_ids:
             raise ValueError(f"is shard {shard_id!r} of an expert parameter with shards "
                              f"0..{self.num_experts - 1} (gate/up or down)")
         expert, _, part = shard_id.partition(".")
-        dst = param.data[int(expert)]
+        dst, inter, dim = param.data[int(expert)], self.expert_size, 0 if part else 1
+        if loaded.dim() != 2 or loaded.shape[dim] != inter * self.tp.size:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {inter * self.tp.size} "
+                             f"{'rows' if part else 'columns'} (the expert's intermediate size)")
         if part:
-            dst = dst.narrow(0, 0 if part == "gate" else self.expert_size, self.expert_size)
-        default_weight_loader(dst, loaded)
+            dst = dst.narrow(0, 0 if part == "gate" else inter, inter)
+        default_weight_loader(dst, loaded.narrow(dim, self.first, inter))
 
     def finish_loading(self) -> None:
         if self.fp8 and self.w13_fp8 is None:     # the float copies go: the FP8 ones are what the kernels read
@@ -99,11 +110,12 @@ class FusedMoE(nn.Module):
             weights, experts = route_topk_ref(router_logits, self.top_k, self.renormalize)
         self.routed = experts
         if not x.is_cuda:
-            return fused_moe_ref(x, w13, w2, weights, experts)
-        path, tiles = self.plan.choice(x.shape[0])
-        if path == "small":
-            return fused_moe_small(x, w13, w2, weights, experts, tiles)
-        return fused_moe_grouped(x, w13, w2, weights, experts, tiles, fuse_sum=path == "grouped")
+            out = fused_moe_ref(x, w13, w2, weights, experts)
+        elif (choice := self.plan.choice(x.shape[0]))[0] == "small":
+            out = fused_moe_small(x, w13, w2, weights, experts, choice[1])
+        else:
+            out = fused_moe_grouped(x, w13, w2, weights, experts, choice[1], fuse_sum=choice[0] == "grouped")
+        return self.tp.all_reduce(out)
 
     def tokens_per_expert(self, num_tokens: int) -> list[int] | None:
         """The last step's pairs per expert, if its expert choice is kept and was for num_tokens."""

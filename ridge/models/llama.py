@@ -14,21 +14,21 @@ chunks and decode tokens side by side; only attention needs to know where sequen
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.layers.attention import Attention, AttentionBackend
+from ridge.layers.attention import Attention, AttentionBackend, rank_heads
 from ridge.layers.cost import OpCost, StepShape, child, gemm_cost, precision_of
+from ridge.layers.embedding import VocabTable
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.sampler import sampling_cost
-from ridge.layers.weights import set_weight_loader
 from ridge.models.mla import MLAttention
 from ridge.models.moe import SparseMoeBlock
+from ridge.parallel import SINGLE, TensorParallel
 
 # checkpoint projection name -> (ridge merged module, shard)
 CHECKPOINT_NAME_MAP = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -42,16 +42,23 @@ RENAMED = {"block_sparse_moe": "mlp", "shared_experts": "shared_expert"}
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    """Under tensor parallelism this rank's query heads and the KV heads they read (rank_heads):
+    qkv_proj is column-parallel by heads, o_proj row-parallel over the same heads."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, d = cfg, cfg.head_dim
+        self.heads, self.kv_heads, first_q, first_kv = rank_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        kv_rows = (first_kv * d, self.kv_heads * d)
         self.qkv_proj = Linear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                               bias=cfg.qkv_bias, quant=cfg.quant)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant)
+                               bias=cfg.qkv_bias, quant=cfg.quant, tp=tp, parallel="column",
+                               slices={"q": (first_q * d, self.heads * d), "k": kv_rows, "v": kv_rows})
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant, tp=tp, parallel="row")
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
+        self.attn = Attention(self.heads, self.kv_heads, cfg.head_dim, cfg.sliding_window, backend, rotary)
 
     @property
     def input_proj(self) -> Linear:
@@ -59,29 +66,29 @@ class LlamaAttention(nn.Module):
         return self.qkv_proj
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
-        cfg = self.cfg
-        q, k, v = (t.view(-1, n, cfg.head_dim) for t, n in zip(
-            self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1),
-            (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
-        if cfg.qk_norm:
+        d, q_size, kv_size = self.cfg.head_dim, self.heads * self.cfg.head_dim, self.kv_heads * self.cfg.head_dim
+        q, k, v = (t.view(-1, n, d) for t, n in zip(self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1),
+                                                    (self.heads, self.kv_heads, self.kv_heads)))
+        if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, cfg.q_size))
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, q_size))
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))
         if self.cfg.qk_norm:
-            out += [c for n, h in (("q_norm", self.cfg.num_heads), ("k_norm", self.cfg.num_kv_heads))
+            out += [c for n, h in (("q_norm", self.heads), ("k_norm", self.kv_heads))
                     for c in child(n, getattr(self, n).cost(step, step.num_tokens * h), "qk_norm")]
         return out + child("attn", self.attn.cost(step)) + child("o_proj", self.o_proj.cost(step, name="o_proj"))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.self_attn = (MLAttention(cfg, rotary, backend) if cfg.mla is not None
-                          else LlamaAttention(cfg, rotary, backend))
-        self.mlp = SparseMoeBlock(cfg) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
-            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant)
+                          else LlamaAttention(cfg, rotary, backend, tp))
+        self.mlp = SparseMoeBlock(cfg, tp) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant, tp)
         # each norm feeds its block's input projection: under --quantization fp8 it quantizes its
         # output for that GEMM where the GEMM is an FP8 kernel (ridge/layers/norm.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.self_attn.input_proj)
@@ -102,12 +109,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        set_weight_loader(self.embed_tokens.weight.requires_grad_(False))
+        self.embed_tokens = VocabTable(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -157,27 +163,28 @@ class LlamaForCausalLM(nn.Module):
             return f"{parent}.{merged}.{expert}.{part + '_proj' if part else 'down_proj'}.weight"
         return f"{parent}.{next(k for k, v in CHECKPOINT_NAME_MAP.items() if v == (merged, shard))}.{leaf}"
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, backend, max_position)
+        self.model = LlamaModel(cfg, backend, max_position, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = VocabTable(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Hidden states [T, hidden] for every token of the flat batch."""
         return self.model(input_ids, positions, kv_caches, meta)
 
     @property
-    def head_weight(self) -> torch.Tensor:      # the embedding table when the two are tied
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def head(self) -> VocabTable:               # the embedding table when the two are tied
+        return self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head_weight).float()
+        """[rows, hidden] -> [rows, vocab] float32 (every rank's vocabulary share gathered)."""
+        return self.head.logits(hidden)
 
     def cost(self, step: StepShape) -> list[OpCost]:
         """Every op of one step, in order: the layers, the LM head over the rows that sample
         (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
-        w = self.head_weight
+        w = self.head.weight
         head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

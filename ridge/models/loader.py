@@ -36,6 +36,7 @@ from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
 from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
+from ridge.parallel import SINGLE, TensorParallel
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_STD = 0.02
@@ -66,7 +67,10 @@ def checkpoint_files(path: str) -> list[str]:
 
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, show_progress: bool = True,
-               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+               tp: TensorParallel = SINGLE) -> torch.nn.Module:
+    """The model of `path`, on `device`; with tensor parallelism (`tp`) this rank's share of it: each
+    parameter's weight_loader keeps its rank's part of every tensor streamed to it."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     fp8, quant = fp8_config_of(cfg.quantization_config), None
@@ -86,7 +90,7 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
     try:
         with torch.device(device):
-            model = model_class(cfg.architecture)(cfg, backend, max_position)
+            model = model_class(cfg.architecture)(cfg, backend, max_position, tp)
     finally:
         torch.set_default_dtype(default)
     if load_format == "dummy":

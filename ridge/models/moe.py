@@ -20,17 +20,21 @@ from ridge.layers.mlp import GatedMLP
 from ridge.layers.moe import FusedMoE
 from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.weights import set_weight_loader
+from ridge.parallel import SINGLE, TensorParallel
 
 
 class SparseMoeBlock(nn.Module):
+    """Under tensor parallelism the router is whole on every rank; the experts and the shared
+    expert hold their rank's share of the intermediate columns."""
+
     input_proj = None       # the router, the experts and a shared expert all read the input
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize,
-                                moe.grouped, fp8=isinstance(cfg.quant, Fp8Config))
+                                moe.grouped, fp8=isinstance(cfg.quant, Fp8Config), tp=tp)
         if moe.grouped is not None:     # DeepSeek routes in float32: the router weight is kept so (exact)
             self.gate.weight.data = self.gate.weight.data.float()
         if moe.grouped is not None and moe.grouped.score_bias:     # V3: chooses experts, does not weigh them
@@ -38,7 +42,7 @@ class SparseMoeBlock(nn.Module):
                 nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias, cfg.quant)
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias, cfg.quant, tp)
         if moe.shared_expert_size and moe.shared_expert_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 

@@ -46,6 +46,9 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     if model_cfg.quantization_config is not None or cfg.quantization is not None:
         raise ValueError(f"model: {src!r} would load quantized (quantization_config or --quantization); "
                          f"ridge quantize starts from a float checkpoint")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: ridge quantize calibrates the whole model in one process; "
+                         f"run it with 1 (got {cfg.tensor_parallel_size})")
     if model_cfg.moe is not None:
         raise ValueError(f"model: {model_cfg.architecture} is a mixture-of-experts model; ridge quantizes dense "
                          f"Llama-family checkpoints only (its expert kernels run float weights)")

@@ -80,6 +80,9 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     kw = settings.values(EngineConfig, a)
     # validated here, before anything loads; the two left to the steps are filled by run_roofline
     EngineConfig.from_kwargs(**{k: v for k, v in kw.items() if v is not None or k not in ROOFLINE_DEFAULTS})
+    if (kw.get("tensor_parallel_size") or 1) > 1:
+        raise ValueError("tensor_parallel_size: ridge roofline times one process's kernels; run it with 1 (the costs "
+                         "of one rank's share are each layer's cost() in a tensor-parallel engine)")
     model, device, dtype = kw.pop("model"), kw.pop("device"), kw.pop("dtype")
     rep = run_roofline(model, device=device, dtype=dtype, batches=[] if a.no_decode else a.batch,
                        context=a.context, prefill_len=a.prefill_len, prefill_batch=a.prefill_batch, reps=a.reps,

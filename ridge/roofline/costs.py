@@ -118,8 +118,8 @@ def parameter_bytes(model, step: StepShape = ONE_TOKEN) -> float:
     dtype of a ModelConfig's meta model and any what-if weight format."""
     m = model_of(model, step.dtype)
     costs = m.cost(replace(step, query_lens=(1,), context_lens=(1,), num_sampled=1))
-    tables = 0 if m.cfg.tie_word_embeddings else sum(
-        x.weight.numel() * x.weight.element_size() for x in m.modules() if isinstance(x, torch.nn.Embedding))
+    table = m.model.embed_tokens.weight
+    tables = 0 if m.cfg.tie_word_embeddings else table.numel() * table.element_size()
     return sum(c.param_bytes for c in costs if c.kind != "embedding") + tables
 
 

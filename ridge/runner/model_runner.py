@@ -21,9 +21,11 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
-from ridge.layers.attention import select_backend
+from ridge.runner.step_message import DECODE, EAGER, VERIFY, StepPlan
+from ridge.layers.attention import rank_heads, select_backend
 from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
 from ridge.models.loader import load_model
+from ridge.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger("ridge")
 
@@ -38,6 +40,8 @@ class ForwardOutput:
     # (sequence, first prompt position, the prompt tokens from there, logprob_info of them given the
     # tokens before each, on the host) for requests that score their prompt
     prompt_logprobs: list[tuple[object, int, list[int], tuple]] = field(default_factory=list)
+    # run()'s side of those: per score span of the plan, (offset in the span, targets, host info) chunks
+    scores: list[list[tuple[int, list[int], tuple]]] = field(default_factory=list)
 
 
 def slot_of(page_table: list[int], position: int, page_size: int) -> int:
@@ -53,8 +57,18 @@ def plain_greedy(seq) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True):
+    """`tp`: this process's tensor-parallel rank (its share of the model and of the KV heads);
+    `workers` (rank 0 of a tensor-parallel engine): the other ranks' processes
+    (ridge/runner/workers.py), which run each step's plan beside this one."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, show_progress: bool = True,
+                 tp: TensorParallel = SINGLE, workers=None):
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
+        self.workers, self.tp = workers, workers.tp if workers is not None else tp
+        streams, heads, width = model_cfg.cache_row
+        if model_cfg.mla is None:           # this rank's KV heads (a copy of one where ranks outnumber them)
+            heads = rank_heads(model_cfg.num_heads, model_cfg.num_kv_heads, self.tp)[1]
+        self.cache_row = (streams, heads, width)
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
         if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
             raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
@@ -62,7 +76,8 @@ class ModelRunner:
                                       model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
-                                load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization)
+                                load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization,
+                                tp=self.tp)
         # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
         self.kv_cache, self.kv_scales, self.decode_graphs, self.verify_graphs = None, None, None, None
         self.warm_up_seconds = 0.0
@@ -84,7 +99,7 @@ class ModelRunner:
     def kv_bytes_per_row(self) -> int:
         """Bytes of one cached row (a token's K or V of one kv head, or its MLA latent row): FP8
         adds its scale byte."""
-        d = self.model_cfg.cache_row[2]
+        d = self.cache_row[2]
         return d + 1 if self.cfg.fp8_kv_cache else d * self.cfg.dtype.itemsize
 
     def kv_element_bytes(self) -> float | None:
@@ -92,16 +107,15 @@ class ModelRunner:
         return self.kv_bytes_per_row() / self.model_cfg.head_dim if self.cfg.fp8_kv_cache else None
 
     def kv_bytes_per_page(self) -> int:
-        m = self.model_cfg
-        streams, heads, _ = m.cache_row
-        return streams * m.num_layers * self.cfg.page_size * heads * self.kv_bytes_per_row()
+        streams, heads, _ = self.cache_row
+        return streams * self.model_cfg.num_layers * self.cfg.page_size * heads * self.kv_bytes_per_row()
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """One pool for all layers: [layers, streams, pages, page size, heads, width] - streams K
         and V of kv heads x head dim, or MLA's one latent row (ModelConfig.cache_row) - in the
         model dtype or e4m3 with scale bytes [layers, 2, pages, page size, kv heads] beside it."""
         m = self.model_cfg
-        streams, heads, width = m.cache_row
+        streams, heads, width = self.cache_row
         shape = (m.num_layers, streams, num_pages, self.cfg.page_size, heads)
         dtype = KV_FP8 if self.cfg.fp8_kv_cache else self.cfg.dtype
         self.kv_cache = torch.empty(*shape, width, dtype=dtype, device=self.device)
@@ -109,6 +123,25 @@ class ModelRunner:
         if self.cfg.fp8_kv_cache:
             self.kv_scales = torch.ones(shape, dtype=KV_SCALE_DTYPE, device=self.device)
             self.layer_caches = [(*c, self.kv_scales[i, 0], self.kv_scales[i, 1]) for i, c in enumerate(self.layer_caches)]
+
+    def pages_fitting(self, extra_page_bytes: int = 0) -> int:
+        """KV pages the pool budget holds (cfg.kv_budget, measured now; `extra_page_bytes` a page
+        of another pool sharing it), the fewest of any tensor-parallel rank's."""
+        return self.tp.min_over_ranks(max(self.cfg.kv_budget(), 0) // (self.kv_bytes_per_page() + extra_page_bytes))
+
+    def start(self, num_pages: int, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
+        """The KV pool, the prefill warm-up and the decode setup, on every rank in this order (each
+        runs collectives): rank 0 tells the other ranks first."""
+        if self.workers is not None:
+            self.workers.setup(num_pages, use_graphs, verify_queries, verify_max_bs)
+        self.allocate_kv_cache(num_pages)
+        self.warm_up_prefill()
+        self.setup_decode(use_graphs, verify_queries, verify_max_bs)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (nothing to do for one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
@@ -181,22 +214,43 @@ class ModelRunner:
             rows += range(r * Q, r * Q + d + 1)
         return step, rows
 
-    def prepare(self, sched):
-        bs = self.cfg.page_size
-        input_ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+    def plan(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> tuple[StepPlan, list]:
+        """The step as every rank runs it (StepPlan: host lists), and, for the requests that score
+        their prompt, (sequence, first position) of each of its score spans. `previous`: see execute."""
+        copies = sched.page_copies
+        decode = self.decode_inputs(sched)
+        if decode is not None:
+            rows = previous[1] if previous is not None else None
+            return StepPlan(DECODE, decode, copies, previous_rows=rows,
+                            num_previous=previous[0].numel() if previous is not None else 0), []
+        verify = self.verify_inputs(sched) if previous is None else None
+        if verify is not None:
+            return StepPlan(VERIFY, verify[0], copies, sample_rows=verify[1]), []
+        if previous is not None:
+            raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
+        ps, plan, scored = self.cfg.page_size, StepPlan(EAGER, DecodeInputs([], [], [], [], []), copies, [0]), []
+        step = plan.inputs
         for item in sched.scheduled:
             seq, start, n, drafts = item.seq, item.start, item.num_new_tokens, item.num_draft
-            input_ids += seq.token_ids[start:start + n - drafts]
+            step.input_ids += seq.token_ids[start:start + n - drafts]
             if drafts:                      # speculation: the target scores each draft position too
-                input_ids += seq.draft_token_ids[:drafts]
-            positions += range(start, start + n)
-            slots += [slot_of(seq.page_table, p, bs) for p in range(start, start + n)]
-            starts.append(starts[-1] + n)
-            seq_lens.append(start + n)
+                step.input_ids += seq.draft_token_ids[:drafts]
+            step.positions += range(start, start + n)
+            step.slots += [slot_of(seq.page_table, p, ps) for p in range(start, start + n)]
+            step.seq_lens.append(start + n)
+            step.page_tables.append(seq.page_table)
+            row0 = plan.query_starts[-1]
+            plan.query_starts.append(row0 + n)
             if item.samples:
-                sample_rows += range(starts[-1] - 1 - drafts, starts[-1])
-        meta = self.metadata(slots, starts, seq_lens, [item.seq.page_table for item in sched.scheduled])
-        return self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64), meta, sample_rows
+                plan.sample_rows += range(row0 + n - 1 - drafts, row0 + n)
+            # row r of this chunk (position start + r) predicts the token at position start + r + 1
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if seq.prompt_logprobs is not None and last > start:
+                plan.score_rows.append(row0)
+                plan.score_targets.append(seq.token_ids[start + 1:last + 1])
+                plan.score_top.append(seq.request.params.prompt_logprobs)
+                scored.append((seq, start + 1))
+        return plan, scored
 
     def metadata(self, slots: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]]):
         """AttentionMetadata of a flat batch from host lists (page tables padded with page 0)."""
@@ -219,38 +273,53 @@ class ModelRunner:
                 self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
+        """One step's forward (rank 0, which schedules): logits of the rows that sample, prompt
+        log-probabilities of requests that score their prompt. `previous` = (the last step's sampled
+        ids, still on the device; each row's index in there): the overlapped decode, whose ids have
+        not reached the host (static path only). The other tensor-parallel ranks get the plan
+        through the step ring and run it beside this one."""
         return self._observed("execute", sched, self._execute, sched, previous)
 
-    @torch.inference_mode()
     def _execute(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
-        """One step's forward: logits of the rows that sample, prompt log-probabilities of requests that
-        score their prompt. `previous` = (the last step's sampled ids, still on the device; each row's
-        index in there): the overlapped decode, whose ids have not reached the host (static path only)."""
-        self.copy_pages(sched.page_copies)
-        decode = self.decode_inputs(sched)
-        if decode is not None:
-            return ForwardOutput(self.decode_graphs.run(decode, previous), static_decode=True)
-        verify = self.verify_inputs(sched) if previous is None else None
-        if verify is not None:
-            logits = self.verify_graphs.run(verify[0])
-            return ForwardOutput(logits.index_select(0, self.to_device(verify[1], torch.int64)))
-        if previous is not None:
-            raise RuntimeError("execute: a step with input ids still on the device must be a static decode step")
-        input_ids, positions, meta, sample_rows = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
-        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, self.to_device(sample_rows, torch.int64))))
-        for i, item in enumerate(sched.scheduled):
-            seq = item.seq
-            # row r of this chunk (position start + r) predicts the token at position start + r + 1
-            last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if seq.prompt_logprobs is None or last <= item.start:
-                continue
-            row0, targets = meta.query_start_loc_cpu[i], seq.token_ids[item.start + 1:last + 1]
+        plan, scored = self.plan(sched, previous)
+        tokens = previous[0] if previous is not None else None
+        if self.workers is None:
+            out = self.run(plan, tokens)
+        else:
+            out = self.workers.step(plan, lambda: self.run(plan, tokens))
+        out.prompt_logprobs = [(seq, first + lo, targets, info) for (seq, first), chunks in zip(scored, out.scores)
+                               for lo, targets, info in chunks]
+        return out
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> ForwardOutput:
+        """Run a step's plan, on every tensor-parallel rank alike. previous_tokens: rank 0's ids of
+        the step before, for a decode step launched before they reached the host (the other ranks
+        receive them by broadcast)."""
+        self.copy_pages(plan.page_copies)
+        if plan.kind == DECODE:
+            previous = None
+            if plan.previous_rows is not None:
+                if previous_tokens is None:
+                    previous_tokens = torch.empty(plan.num_previous, dtype=torch.int64, device=self.device)
+                previous = (self.tp.broadcast(previous_tokens), plan.previous_rows)
+            return ForwardOutput(self.decode_graphs.run(plan.inputs, previous), static_decode=True)
+        if plan.kind == VERIFY:
+            logits = self.verify_graphs.run(plan.inputs)
+            return ForwardOutput(logits.index_select(0, self.to_device(plan.sample_rows, torch.int64)))
+        step = plan.inputs
+        meta = self.metadata(step.slots, plan.query_starts, step.seq_lens, step.page_tables)
+        hidden = self.model(self.to_device(step.input_ids, torch.int64), self.to_device(step.positions, torch.int64),
+                            self.layer_caches, meta)
+        out = ForwardOutput(self.model.compute_logits(hidden.index_select(0, self.to_device(plan.sample_rows,
+                                                                                            torch.int64))))
+        for row0, targets, top in zip(plan.score_rows, plan.score_targets, plan.score_top):
+            chunks = []
             for lo in range(0, len(targets), _SCORE_ROWS):
                 tgt = targets[lo:lo + _SCORE_ROWS]
                 logits = self.model.compute_logits(hidden[row0 + lo:row0 + lo + len(tgt)])
-                info = logprob_info(logits, self.to_device(tgt, torch.int64), seq.request.params.prompt_logprobs)
-                out.prompt_logprobs.append((seq, item.start + 1 + lo, tgt, info_on_host(info)))
+                chunks.append((lo, tgt, info_on_host(logprob_info(logits, self.to_device(tgt, torch.int64), top))))
+            out.scores.append(chunks)
         return out
 
     def tokens_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -268,12 +337,20 @@ class ModelRunner:
         done.record()
         return host, done
 
-    @staticmethod
-    def host_tokens(host: torch.Tensor, done: torch.cuda.Event | None) -> list[int]:
-        """The ids of tokens_to_host, once the copy has landed (waits for it)."""
-        if done is not None:
-            done.synchronize()
-        return host.tolist()
+    def host_tokens(self, host: torch.Tensor, done: torch.cuda.Event | None = None) -> list[int]:
+        """The ids of tokens_to_host (or of a device tensor), once they have landed (waits for
+        them). Under tensor parallelism a rank that died meanwhile had its step aborted (NCCL):
+        RankFailure instead of that step's ids."""
+        if self.workers is None:
+            if done is not None:
+                done.synchronize()
+            return host.tolist()
+        with self.workers.device_wait():        # bounded: a hung rank stalls the device, not the host
+            if done is not None:
+                done.synchronize()
+            ids = host.tolist()
+        self.workers.check()
+        return ids
 
     def sample(self, logits: torch.Tensor, seqs: list, eos_ids: list[int]):
         return self._observed("sample", seqs, self._sample, logits, seqs, eos_ids)

@@ -15,8 +15,9 @@ not invalidate the line another polls):
 Sequences start at 1; a counter holds the last sequence published / taken. The producer waits
 while the slowest consumer is a whole ring behind (a full ring never overwrites an unread slot);
 a consumer waits while nothing new is published. Waiting spins first (a step is microseconds
-away), then yields, then sleeps in short naps, and gives up after its timeout with an error that
-names who is stalled.
+away), then yields, then sleeps in short naps, and in longer ones once nothing has come for a
+while (an idle engine: a millisecond more latency on its next step, almost no CPU meanwhile); it
+gives up after its timeout with an error that names who is stalled.
 
 Ordering: the producer stores the payload, then the slot's header, then the published counter;
 the consumer reads the counter, then the slot. Each is an aligned 8-byte store or load through
@@ -35,7 +36,7 @@ import numpy as np
 
 LINE = 64
 _SPIN, _YIELD = 2000, 200             # polls before yielding, yields before napping
-_NAP_S = 50e-6
+_NAP_S, _SHORT_NAPS, _IDLE_NAP_S = 50e-6, 2000, 1e-3
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "uint8")]
 
 
@@ -147,7 +148,7 @@ def _wait(ready, timeout: float, message) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(message())
         polls += 1
-        time.sleep(0 if polls < _YIELD else _NAP_S)
+        time.sleep(0 if polls < _YIELD else _NAP_S if polls < _YIELD + _SHORT_NAPS else _IDLE_NAP_S)
 
 
 def encode_arrays(kind: int, arrays: list[np.ndarray]) -> bytes:

@@ -26,6 +26,7 @@ from ridge.engine.engine import EngineStats
 from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
+from ridge.parallel import RankFailure
 
 log = logging.getLogger("ridge.server")
 
@@ -78,6 +79,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Failed:
+    """A tensor-parallel rank failed (said by the engine's watcher thread, at once, even while
+    the engine is idle)."""
+    message: str
 
 
 _STOP = object()
@@ -211,6 +219,7 @@ class EngineClient:
             self.model = ModelInfo(cfg.model, cfg.max_model_len, self._llm.engine.model_cfg.vocab_size,
                                    min(cfg.max_n, cfg.max_num_seqs))
             self.stats = self._llm.engine.stats()
+            self._llm.on_failure(lambda message: self._commands.put(_Failed(message)))
             # What loading made (the model, the tokenizer, transformers' and torch's modules:
             # some 400k objects) lives as long as the process; a full collection would walk it all
             # (~0.3 s with the GIL held: every stream stalls) each time the young objects of
@@ -226,6 +235,9 @@ class EngineClient:
             self.state = READY
             log.info("engine ready: %s", self.model.path)
             self._serve()
+        finally:
+            if self._llm is not None:
+                self._llm.close()       # a tensor-parallel engine's workers stop now, not at exit
         self._refuse_until_stopped()
 
     def _serve(self) -> None:
@@ -235,7 +247,11 @@ class EngineClient:
                 if cmd is _STOP:
                     self._fail_all(STOPPED, "the server is shutting down")
                     return
-                if self.state == READY:
+                if isinstance(cmd, _Failed):
+                    if self.state == READY:
+                        log.error("engine failed: %s", cmd.message)
+                        self._die(f"the engine failed: {cmd.message}")
+                elif self.state == READY:
                     self._handle(cmd)
                 elif isinstance(cmd, _Add):
                     self._resolve(cmd.accepted, EngineUnavailable(self.error))
@@ -283,6 +299,10 @@ class EngineClient:
         engine = self._llm.engine
         try:
             outs = engine.step()
+        except RankFailure as e:        # a tensor-parallel rank is gone: no step can run any more
+            log.error("engine failed: %s", e)
+            self._die(f"the engine failed: {e}")
+            return
         except Exception as e:          # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             self._recover(f"the engine failed while running this request ({type(e).__name__})")

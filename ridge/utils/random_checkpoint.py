@@ -23,6 +23,9 @@ PRESETS = {
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # tensor parallelism's benchmark shape (--config-only, dummy weights: 141 GB of bf16)
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
                        rope_theta=1000000.0, tie_word_embeddings=True),

@@ -83,7 +83,7 @@ class Fp8Linear:
         producer; the reference (a CPU's torch path) and bf16 batches take the float activation."""
         return self.path(m) not in ("bf16", "reference")
 
-    def apply(self, layer, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] (or an Fp8Activation [M, K]) -> [..., N] (+ bias) by the path measured fastest
         for this many rows."""
         if isinstance(x, Fp8Activation):
@@ -103,8 +103,8 @@ class Fp8Linear:
             else:
                 y = fp8_matmul(path, x2.contiguous(), layer.weight_fp8, layer.weight_scale_inv)
             lead = x.shape[:-1]
-        if layer.bias is not None:
-            y = y + layer.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*lead, y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:

@@ -205,6 +205,17 @@ _SPECS = {
                                       "compressed-tensors weight_g_idx [K] int32"),
     ("int4", "qweight"): (lambda k, n, g: (n, k), _FLOAT, "a float weight [N, K] to quantize at load"),
 }
+# per (format, table), where a tensor-parallel rank's part is cut (Linear.rank_share): the dimension of
+# outputs and how many one element stands for, then the same for inputs ("g": a group); None: not split
+_SPLITS = {
+    ("awq", "qweight"): (1, PACK, 0, 1), ("awq", "zeros"): (1, PACK, 0, "g"), ("awq", "scales"): (1, 1, 0, "g"),
+    ("gptq", "qweight"): (1, 1, 0, PACK), ("gptq", "zeros"): (1, PACK, 0, "g"), ("gptq", "scales"): (1, 1, 0, "g"),
+    ("gptq", "g_idx"): (None, 1, 0, 1),
+    ("compressed-tensors", "qweight"): (0, 1, 1, PACK), ("compressed-tensors", "zeros"): (0, PACK, 1, "g"),
+    ("compressed-tensors", "scales"): (0, 1, 1, "g"), ("compressed-tensors", "shape"): (None, 1, None, 1),
+    ("compressed-tensors", "g_idx"): (None, 1, 0, 1),
+    ("int4", "qweight"): (0, 1, 1, 1),
+}
 
 
 class Int4Linear:
@@ -213,16 +224,23 @@ class Int4Linear:
     def __init__(self, config: Int4Config, layer: nn.Module):
         self.config, fmt = config, config.format
         k, n = layer.in_features, layer.out_features
+        if layer.parallel == "row" and (config.group_size == -1 or config.desc_act):
+            groups = "act-order (desc_act) groups" if config.desc_act else "one group of all inputs"
+            raise ValueError(f"quantization_config: {groups} cannot be split across {layer.tp.size} tensor-parallel "
+                             f"ranks (each holds a share of the inputs); load it with tensor_parallel_size 1")
         self.group_size = g = config.group_for(k)
         if k % g or k % PACK:
             field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
                      else f"quantization_config.group_size: {config.group_size}")
-            raise ValueError(f"{field} does not divide the layer's {k} inputs (or they are not a multiple of {PACK})")
+            share = f" (its share on each of {layer.tp.size} tensor-parallel ranks)" if layer.parallel == "row" else ""
+            raise ValueError(f"{field} does not divide the layer's {k} inputs{share} (or they are not a multiple of "
+                             f"{PACK})")
         packs_n = fmt in ("awq", "gptq") or (fmt == "compressed-tensors" and not config.symmetric)
         bad = [size for _, size in layer.shards.values() if packs_n and size % PACK]
         if bad:
-            raise ValueError(f"quantization_config: a layer with {bad[0]} outputs cannot be read: the format packs "
-                             f"{PACK} outputs an int32")
+            share = " (a tensor-parallel rank's share)" if layer.parallel == "column" else ""
+            raise ValueError(f"quantization_config: a layer with {bad[0]} outputs{share} cannot be read: the format "
+                             f"packs {PACK} outputs an int32")
         names = dict(_NAMES[fmt])
         if fmt == "compressed-tensors" and config.symmetric:
             del names["zeros"]
@@ -249,9 +267,11 @@ class Int4Linear:
 
     @torch.no_grad()
     def load(self, layer, role: str, param, loaded: torch.Tensor, shard_id=None) -> None:
-        """Convert one checkpoint tensor into the columns of its shard (see the module docstring)."""
+        """Convert one checkpoint tensor (this rank's part of it) into the columns of its shard (see the
+        module docstring)."""
         off, n = layer.shard_slot(param, shard_id)
         k, g, fmt = layer.in_features, self.group_size, self.config.format
+        loaded = self.rank_part(layer, role, loaded, shard_id)
         shape, dtypes, what = _SPECS[(fmt, role)]
         expected = shape(k, n, k // g)
         if loaded.dtype not in dtypes:
@@ -281,6 +301,25 @@ class Int4Linear:
         else:
             q = formats.awq_codes(t) if fmt == "awq" else formats.ct_codes(t).t()     # [K, n]
             param.data[:, cols] = pack_int4(q)
+
+    def rank_part(self, layer, role: str, loaded: torch.Tensor, shard_id) -> torch.Tensor:
+        """A tensor-parallel rank's part of a checkpoint tensor: packed words and groups are cut
+        whole (an error where a rank's share would split one); a row-parallel rank's g_idx counts
+        its own groups from 0, and weight_shape says its own shape."""
+        if layer.parallel is None:
+            return loaded
+        split = _SPLITS[(self.config.format, role)]
+        out_dim, out_per, in_dim, in_per = (self.group_size if p == "g" else p for p in split)
+        part = layer.rank_share(loaded, shard_id, out_dim, out_per, in_dim, in_per)
+        if role == "g_idx" and layer.parallel == "row":
+            part = part - layer.in_slice[0] // self.group_size
+        elif role == "shape":
+            full = [layer.full_sizes[shard_id or ""], layer.full_in]
+            if loaded.tolist() != full:
+                raise ValueError(f"says the weight is {loaded.tolist()}, expected {full}")
+            part = torch.tensor([layer.out_features if shard_id is None else layer.shards[shard_id][1],
+                                 layer.in_features], dtype=loaded.dtype)
+        return part
 
     @torch.no_grad()
     def finish_loading(self, layer) -> None:
@@ -325,15 +364,15 @@ class Int4Linear:
                 shape[i] = torch.tensor([n, layer.in_features])
         layer.perm = None
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N]: the INT4 GEMM (+ bias)."""
         x2 = x.reshape(-1, x.shape[-1])
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
         y = int4_matmul(x2, self.table(layer, "qweight"), self.table(layer, "scales"), self.table(layer, "zeros"),
                         self.group_size)
-        if layer.bias is not None:
-            y = y + layer.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:
