@@ -139,11 +139,7 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: dist
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
-    """Leave the group (after which this process may join another). NCCL's orderly teardown can
-    wait on a peer that has already exited or is tearing down at the same moment; every step's work
-    is complete when a rank leaves, so the communicators are aborted first and nothing waits."""
-    if tp.size > 1 and dist.is_initialized():
-        abort_tensor_parallel(tp)
+    """Leave the group (after which this process may join another)."""
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
