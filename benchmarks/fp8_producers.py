@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth_gbps, cuda_run, print_plan, rotating_sets, time_rotating, try_time  # noqa: E402
+from timing import (copy_bandwidth_gbps, cuda_run, print_plan, record_bandwidth, rotating_sets,  # noqa: E402
+                    time_rotating, try_time)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -108,10 +109,7 @@ def run_case(c: dict, g, copy_gbps: float, args) -> dict:
     for variant, fn in fns.items():
         t = try_time(f"{c['case']} T={c['T']} {variant}",
                      lambda fn=fn: time_rotating(fn, sets, min_calls=args.calls, reps=args.reps))
-        res[f"{variant}_timing"] = t and t.as_dict()
-        res[f"{variant}_us"] = t and t.median_us
-        res[f"{variant}_GBps"] = t and c[variant] / (t.median_us * 1e-6) / 1e9
-        res[f"{variant}_frac_copy_bw"] = t and res[f"{variant}_GBps"] / copy_gbps
+        record_bandwidth(res, variant, t, c[variant], copy_gbps)
     res["speedup"] = res["separate_us"] / res["fused_us"] if res["separate_us"] and res["fused_us"] else None
     return res
 

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth_gbps, rotating_sets, time_rotating, try_time  # noqa: E402
+from timing import copy_bandwidth_gbps, record_bandwidth, rotating_sets, time_rotating, try_time  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -140,10 +140,7 @@ def run_case(name, T, g, rope, copy_gbps, args) -> dict:
     for peer, (fn, graph) in peers.items():
         t = try_time(f"{name} T={T} {peer}", lambda fn=fn, graph=graph: time_rotating(
             fn, sets, min_calls=args.calls, reps=args.reps, graph=graph))
-        res[f"{peer}_timing"] = t and t.as_dict()
-        res[f"{peer}_us"] = t and t.median_us
-        res[f"{peer}_GBps"] = t and nbytes / (t.median_us * 1e-6) / 1e9
-        res[f"{peer}_frac_copy_bw"] = t and res[f"{peer}_GBps"] / copy_gbps
+        record_bandwidth(res, peer, t, nbytes, copy_gbps)
     res["speedup_vs_torch"] = res["torch_us"] / res["ridge_us"] if res["ridge_us"] and res["torch_us"] else None
     return res
 

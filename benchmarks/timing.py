@@ -174,6 +174,15 @@ def try_time(name: str, timer: Callable[[], Timing]) -> Timing | None:
         return None
 
 
+def record_bandwidth(res: dict, name: str, t: Timing | None, nbytes: float, copy_gbps: float) -> None:
+    """Put one timed variant's figures into a result row: `<name>_timing`, `_us`, `_GBps` (nbytes
+    over the median) and `_frac_copy_bw` (of the measured copy bandwidth); None where it failed."""
+    res[f"{name}_timing"] = t and t.as_dict()
+    res[f"{name}_us"] = t and t.median_us
+    res[f"{name}_GBps"] = t and nbytes / (t.median_us * 1e-6) / 1e9
+    res[f"{name}_frac_copy_bw"] = t and res[f"{name}_GBps"] / copy_gbps
+
+
 def cuda_run(script: str, cpu_tests: str):
     """The start of a kernel benchmark's GPU run: without CUDA, exit pointing at the CPU checks;
     else (seed, a CUDA generator seeded with it, the L2 size) for the run's fresh random inputs."""

@@ -15,17 +15,9 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "llama-mqa", "mistral-sw",
-                                  "mixtral", "qwen2moe", "qwen2moe-step2", "qwen3moe", "qwen3moe-dense0",
-                                  "deepseekv2", "deepseekv2-grouped", "deepseekv3", "deepseekv3-yarn"])
-def test_greedy_and_logits_match_transformers(checkpoints, name):
-    path = checkpoints(name)
-    llm = LLM(path, device="cpu", show_progress=False, max_model_len=256)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [prompt_of(n, salt=i) for i, n in enumerate(PROMPT_LENGTHS)]
-
-    # first step: the logits ridge samples from, for the whole batch at once
-    engine = llm.engine
+def assert_first_step_logits_match(engine, hf, prompts, name: str) -> None:
+    """The logits the engine's first step samples from, for the whole batch at once, against
+    transformers' last-position logits of each prompt; the requests are aborted after."""
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=1))
     logits = engine.runner.execute(engine.scheduler.schedule()).logits
@@ -36,6 +28,19 @@ def test_greedy_and_logits_match_transformers(checkpoints, name):
         assert rel < 1e-4, f"{name}: prompt {row} logits rel err {rel:.2e}"
     for rid in list(engine.requests):
         engine.abort(rid)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "llama-mqa", "mistral-sw",
+                                  "mixtral", "qwen2moe", "qwen2moe-step2", "qwen3moe", "qwen3moe-dense0",
+                                  "deepseekv2", "deepseekv2-grouped", "deepseekv3", "deepseekv3-yarn"])
+def test_greedy_and_logits_match_transformers(checkpoints, name):
+    path = checkpoints(name)
+    llm = LLM(path, device="cpu", show_progress=False, max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [prompt_of(n, salt=i) for i, n in enumerate(PROMPT_LENGTHS)]
+
+    engine = llm.engine
+    assert_first_step_logits_match(engine, hf, prompts, name)
     assert engine.pages.num_free_pages == engine.cfg.num_pages
 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from ridge import LLM, SamplingParams
 from ridge.parallel import RankFailure, TensorParallel
 from conftest import PROMPT_LENGTHS, prompt_of
-from test_hf_parity import hf_greedy
+from test_hf_parity import assert_first_step_logits_match, hf_greedy
 
 TP2 = dict(device="cpu", show_progress=False, max_model_len=256, tensor_parallel_size=2)
 
@@ -50,15 +50,7 @@ def test_greedy_tokens_match_one_rank_and_transformers(checkpoints, name):
         runner = llm.engine.runner
         assert runner.model.model.layers[0].self_attn.heads == 2 and runner.cache_row[1] == 1
         engine = llm.engine
-        for p in prompts:
-            engine.add_request(p, SamplingParams(temperature=0, max_tokens=1))
-        logits = engine.runner.execute(engine.scheduler.schedule()).logits
-        for row, p in enumerate(prompts):
-            with torch.no_grad():
-                ref = hf(torch.tensor([p])).logits[0, -1].float()
-            assert ((logits[row] - ref).norm() / ref.norm()).item() < 1e-4, f"{name}: prompt {row}"
-        for rid in list(engine.requests):
-            engine.abort(rid)
+        assert_first_step_logits_match(engine, hf, prompts, name)
         two = token_ids(llm, prompts, params)
         assert two == one
         assert [t[0] for t in two] == [hf_greedy(hf, p, 24) for p in prompts]
