@@ -20,13 +20,16 @@ What differs from the per-head kernel:
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.prefill_attention import _INTERPRET, _LOG2E, _descriptor_scratch, _head_rows, _softmax_fold
+from ridge.kernels.prefill_attention import (_INTERPRET, _LOG2E, _descriptor_scratch, _head_rows, _softmax_fold,
+                                             _tma_ready)
 
 
 def _configs() -> list[triton.Config]:
@@ -85,18 +88,15 @@ def _mla_prefill_kernel(Q, KNope, KPe, V, Out, query_start_loc, context_start_lo
     o_desc.store([first_q, 0], (acc / l_i[:, None]).to(Out.dtype.element_ty))
 
 
-def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's cached rows, positions 0 .. seq_len - 1, one after another: [C, r + rope]
-    and the host offsets [B + 1] of each sequence's first row. No host-side loop over tokens: the
-    slots come from the page tables in one indexing pass."""
-    lens = meta.seq_lens_cpu
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
+    and the offsets [B + 1] (int32, on the cache's device) of each sequence's first row. No
+    host-side loop over tokens: the slots come from the page tables in one indexing pass."""
     device, page = cache.device, cache.shape[1]
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), meta.seq_lens.long(),
-                                  output_size=starts[-1])
-    pos = torch.arange(starts[-1], device=device) - torch.tensor(starts[:-1], device=device)[seq]
+    starts = torch.tensor([0, *itertools.accumulate(meta.seq_lens_cpu)], dtype=torch.int32, device=device)
+    total = sum(meta.seq_lens_cpu)
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), meta.seq_lens.long(), output_size=total)
+    pos = torch.arange(total, device=device) - starts[seq]
     slots = meta.page_tables[seq, pos // page].long() * page + pos % page
     return cache.view(-1, cache.shape[-1])[slots], starts
 
@@ -117,12 +117,11 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, kv_b_weight: tor
     out = q.new_empty(T, H, v_dim)
     if T == 0 or meta.num_seqs == 0:
         return out
-    rows, starts = gather_context(cache, meta)
+    rows, context_start = gather_context(cache, meta)
     kv = F.linear(rows[:, :r].to(kv_b_weight.dtype), kv_b_weight).view(-1, H, nope_dim + v_dim)
     k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
     k_pe = rows[:, r:].to(q.dtype)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    context_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    q = _tma_ready(q)
     triton.set_allocator(_descriptor_scratch)
     grid = lambda META: (triton.cdiv(meta.max_query_len, META["BLOCK_M"]), H, meta.num_seqs)
     _mla_prefill_kernel[grid](

@@ -313,10 +313,9 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     pdl, rne = use_pdl(x), emulate_rne(x)
     gu, dn = tiles
     experts, weights = experts.contiguous(), weights.contiguous()
-    block_tk = triton.next_power_of_2(top_k)         # down loads every expert's tile at once: block_k is shared
-    dn_k = max(16, dn.block_k // block_tk)
+    block_tk, dn_k = triton.next_power_of_2(top_k), small_down_block_k(dn, top_k)
     (w13, s13, fp8), (w2, s2, _) = _weight(w13), _weight(w2)
-    _fp8_tile_fits(fp8, gu.block_k, dn_k)
+    _check_fp8_tiles(fp8, gu.block_k, dn_k)
     _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
         x, w13, s13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), hidden.stride(0), BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, NUM_STAGES=gu.num_stages,
@@ -328,8 +327,18 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     return out
 
 
-def _fp8_tile_fits(fp8: bool, *block_ks: int) -> None:
-    if fp8 and any(FP8_BLOCK % k for k in block_ks):
+def small_down_block_k(tiles: SmallTiles, top_k: int) -> int:
+    """The small down kernel's K tile: it loads all top_k experts' tiles at once, so they share block_k."""
+    return max(16, tiles.block_k // triton.next_power_of_2(top_k))
+
+
+def fp8_tiles_fit(*block_ks: int) -> bool:
+    """Whether FP8 experts can take K tiles this wide: each must lie within one 128-wide scale block."""
+    return all(FP8_BLOCK % k == 0 for k in block_ks)
+
+
+def _check_fp8_tiles(fp8: bool, *block_ks: int) -> None:
+    if fp8 and not fp8_tiles_fit(*block_ks):
         raise ValueError(f"fused_moe: FP8 experts need tiles whose K width divides {FP8_BLOCK}, got {block_ks}")
 
 
@@ -342,7 +351,7 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
     top_k -> [T, N], in the kernel (fuse_sum) or by a torch sum after it."""
     pair_order, block_expert, _ = layout
     w, ws, fp8 = _weight(w)
-    _fp8_tile_fits(fp8, tiles.block_k)
+    _check_fp8_tiles(fp8, tiles.block_k)
     n = w.shape[1] // 2 if gated else w.shape[1]
     nb = block_expert.numel()
     n_tiles = triton.cdiv(n, tiles.block_n)

@@ -21,10 +21,10 @@ import bisect
 import os
 
 import torch
-import triton
 
-from ridge.kernels.moe_gemm import (FP8_BLOCK, FUSED_SUM_OK, SMALL_MAX_TOKENS, Fp8Experts, GroupedTiles, SmallTiles,
-                                    fused_moe_grouped, fused_moe_small, grouped_gemm)
+from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, Fp8Experts, GroupedTiles, SmallTiles,
+                                    fp8_tiles_fit, fused_moe_grouped, fused_moe_small, grouped_gemm,
+                                    small_down_block_k)
 from ridge.kernels.moe_route import align_by_expert
 from ridge.utils.device_cache import cache_root, cached, device_key
 from ridge.utils.graph_timing import graph_time_us
@@ -92,12 +92,9 @@ def measure(w13, w2, top_k: int) -> dict:
     gen = torch.Generator(device=w13.device).manual_seed(E * 31 + H)
     _raise_clocks(w13.device)
     table = {}
-    # FP8 experts: a tile's K width must lie within one 128-wide scale block (the down GEMV splits
-    # its K tile over the top_k experts)
-    fits = (lambda c, tk=1: FP8_BLOCK % max(16, c.block_k // tk) == 0) if isinstance(w13, Fp8Experts) else \
-        (lambda c, tk=1: True)
-    small_gu = [c for c in SMALL_CANDIDATES if fits(c)]
-    small_dn = [c for c in SMALL_CANDIDATES if fits(c, triton.next_power_of_2(top_k))]
+    fp8 = isinstance(w13, Fp8Experts)            # only tiles whose K widths fit the scale blocks
+    small_gu = [c for c in SMALL_CANDIDATES if not fp8 or fp8_tiles_fit(c.block_k)]
+    small_dn = [c for c in SMALL_CANDIDATES if not fp8 or fp8_tiles_fit(small_down_block_k(c, top_k))]
     for T in BUCKETS:
         x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
         experts = torch.rand(T, E, generator=gen, device=w13.device).topk(top_k, dim=-1).indices.to(torch.int32)
@@ -112,7 +109,7 @@ def measure(w13, w2, top_k: int) -> dict:
                   for c in small_dn}
             timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
         for bm in sorted({c.block_m for c in GROUPED_CANDIDATES}):
-            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and fits(c)]
+            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and (not fp8 or fp8_tiles_fit(c.block_k))]
             layout = align_by_expert(experts, E, bm)
             gu = {c: _us(lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)) for c in cands}
             dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
@@ -129,11 +126,11 @@ def measure(w13, w2, top_k: int) -> dict:
 
 
 def moe_plan(w13, w2, top_k: int) -> MoePlan:
-    """The plan for this expert shape (float weights or Fp8Experts) on its GPU, from the per-device cache or measured now."""
+    """The plan for this expert shape (float weights or Fp8Experts) on its GPU, from the per-device
+    cache or measured now."""
     E, two_i, H = w13.shape
-    fp8 = "-fp8" if isinstance(w13, Fp8Experts) else ""
-    dtype = str(w13.dtype).removeprefix("torch.")
-    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}{fp8}.json"
+    dtype = str(w13.dtype).removeprefix("torch.") + ("-fp8" if isinstance(w13, Fp8Experts) else "")
+    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}.json"
     table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
     return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},
                    {int(t): e["us"] for t, e in table.items()})

@@ -77,7 +77,7 @@ def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool
     table = {}
     for m in BUCKETS:
         x = torch.randn(m, k, generator=gen, device=w.device).to(w.dtype)
-        xq, xs = quantize_act_fp8(x)
+        xq, xs = quantize_act_fp8(x) if fed else (None, None)
         paths = ["bf16", "cublas"] + [f"triton:{c}" for c, a in TRITON_CONFIGS.items()
                                       if a.get("split_k", 1) == 1 or m <= SPLIT_MAX_M]
         us, errors = {}, {}
