@@ -102,6 +102,15 @@ class DecodeGraphs:
                  "decode" if self.queries == 1 else f"verify ({self.queries} tokens a sequence)",
                  ",".join(map(str, self.buckets)), self.capture_seconds)
 
+    def release(self) -> None:
+        """Destroy the captured graphs. NCCL will not tear down a communicator while a graph that
+        captured its collectives lives (it waits for them, forever), so a tensor-parallel rank
+        calls this before it leaves its group."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     @torch.inference_mode()
     def fill_idle(self) -> None:
         """Harmless inputs in every row: `queries` queries a sequence, slot -1, no cached prefix."""

@@ -87,6 +87,8 @@ class ModelRunner:
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
+        if workers is not None:
+            workers.before_leaving.append(self.release_graphs)
 
     def _observed(self, phase: str, arg, run, *args):
         for o in self.step_observers:
@@ -142,6 +144,11 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks' processes (nothing to do for one rank)."""
         if self.workers is not None:
             self.workers.close()
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs before leaving a tensor-parallel group (DecodeGraphs.release)."""
+        for g in filter(None, (self.decode_graphs, self.verify_graphs)):
+            g.release()
 
     def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
@@ -217,12 +224,10 @@ class ModelRunner:
     def plan(self, sched, previous: tuple[torch.Tensor, list[int]] | None = None) -> tuple[StepPlan, list]:
         """The step as every rank runs it (StepPlan: host lists), and, for the requests that score
         their prompt, (sequence, first position) of each of its score spans. `previous`: see execute."""
-        copies = sched.page_copies
-        decode = self.decode_inputs(sched)
+        copies, decode = sched.page_copies, self.decode_inputs(sched)
         if decode is not None:
-            rows = previous[1] if previous is not None else None
-            return StepPlan(DECODE, decode, copies, previous_rows=rows,
-                            num_previous=previous[0].numel() if previous is not None else 0), []
+            rows, n = (previous[1], previous[0].numel()) if previous is not None else (None, 0)
+            return StepPlan(DECODE, decode, copies, previous_rows=rows, num_previous=n), []
         verify = self.verify_inputs(sched) if previous is None else None
         if verify is not None:
             return StepPlan(VERIFY, verify[0], copies, sample_rows=verify[1]), []

@@ -79,6 +79,8 @@ class WorkerPool:
         self.timeout, self.failure, self.closed = timeout, None, False
         self._threads = torch.get_num_threads()          # given back when the pool closes
         self.on_failure: list = []                       # callback(message), from the watcher thread
+        self.before_leaving: list = []                   # callback(), in the engine's thread, before the group goes
+        self._leaving = threading.Lock()                 # the watcher's abort and the engine's leave, one at a time
         self._died = threading.Event()
         self._waiting_since: float | None = None        # rank 0 blocked on the device since (host_tokens)
         self.procs, self.pipes, self.pids, self.ring, self.tp = [], [], [], None, None
@@ -162,11 +164,12 @@ class WorkerPool:
             return
         self.failure = self._describe(sentinels[ready[0]]) if ready else self._hung()
         self._died.set()
-        try:
-            abort_tensor_parallel(self.tp)   # NCCL work waiting on the dead or hung rank returns
-        finally:
-            for callback in self.on_failure:
-                callback(self.failure)
+        for callback in self.on_failure:
+            callback(self.failure)
+        # NCCL work waiting on the dead or hung rank returns at once (the abort flag); the abort
+        # itself then waits for rank 0's CUDA graphs to go, which the engine's thread releases (_fail)
+        with self._leaving:
+            abort_tensor_parallel(self.tp)
 
     @contextlib.contextmanager
     def device_wait(self):
@@ -241,7 +244,7 @@ class WorkerPool:
     def _fail(self) -> None:
         self.closed = True
         self._kill()
-        self._release()
+        self._release(failed=True)
 
     def close(self) -> None:
         """Stop the workers (each leaves the group and exits), remove the ring; idempotent."""
@@ -256,7 +259,7 @@ class WorkerPool:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill()
-        self._release()
+        self._release(failed=self.failure is not None)
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -264,13 +267,22 @@ class WorkerPool:
                 p.kill()
             p.join()
 
-    def _release(self) -> None:
+    def _release(self, failed: bool = False) -> None:
+        """Give back the threads and the ring, then leave the group: rank 0's CUDA graphs first
+        (before_leaving), since NCCL waits for every graph that captured its collectives before it
+        tears a communicator down; after a failure the communicators are aborted (a dead peer
+        cannot take part in an orderly teardown)."""
         torch.set_num_threads(self._threads)
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        for callback in self.before_leaving:
+            callback()
         if self.tp is not None:
-            destroy_tensor_parallel(self.tp)
+            with self._leaving:
+                if failed:
+                    abort_tensor_parallel(self.tp)
+                destroy_tensor_parallel(self.tp)     # nothing left to do once aborted
 
 
 def rank_device(cfg: EngineConfig, local_rank: int, local_size: int) -> torch.device:
@@ -340,17 +352,20 @@ def serve_steps(cfg: EngineConfig, model_cfg: ModelConfig, tp, channel, parent_p
 
     runner = ModelRunner(cfg, model_cfg, show_progress=False, tp=tp)
     runner.pages_fitting()
-    while True:
-        message = _next_message(channel, tp.rank - 1, parent_pid)
-        if message is None:
-            return                           # rank 0 is gone
-        kind, content = read_message(message)
-        if kind == STOP:
-            return
-        if kind == SETUP:
-            runner.start(*content)
-        else:
-            runner.run(content)
+    try:
+        while True:
+            message = _next_message(channel, tp.rank - 1, parent_pid)
+            if message is None:
+                return                           # rank 0 is gone
+            kind, content = read_message(message)
+            if kind == STOP:
+                return
+            if kind == SETUP:
+                runner.start(*content)
+            else:
+                runner.run(content)
+    finally:
+        runner.release_graphs()                  # before the caller leaves the group (NCCL waits for them)
 
 
 def _next_message(channel, consumer: int, parent_pid: int | None) -> bytes | None:
