@@ -132,8 +132,11 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: dist
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # under NCCL a hung rank stalls the device, and rank 0's watcher names it after timeout_s;
+    # torch's own NCCL watchdog would end the process (SIGABRT) at its timeout, so it comes later
+    collective_timeout = timeout * 2 + datetime.timedelta(seconds=10) if backend == "nccl" else timeout
     kwargs = dict(store=store) if store is not None else dict(init_method="env://")
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=collective_timeout, **kwargs)
     host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return TensorParallel(rank, size, dist.group.WORLD, host)
 
