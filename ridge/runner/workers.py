@@ -173,13 +173,13 @@ class WorkerPool:
 
     @contextlib.contextmanager
     def device_wait(self):
-        """Rank 0 blocks on its device inside: the watcher fails the pool if that lasts longer
-        than distributed_timeout_seconds."""
-        self._waiting_since = time.monotonic()
+        """Rank 0 blocks on its device inside (a step, a readback; nested, the outermost counts):
+        the watcher fails the pool if that lasts longer than distributed_timeout_seconds."""
+        outer, self._waiting_since = self._waiting_since, self._waiting_since or time.monotonic()
         try:
             yield
         finally:
-            self._waiting_since = None
+            self._waiting_since = outer
 
     def check(self) -> None:
         """RankFailure once a rank has failed (the pool is then released, here in the engine's
@@ -202,7 +202,8 @@ class WorkerPool:
         message = encode_plan(plan)
         try:
             self._publish(message)
-            return run()
+            with self.device_wait():     # a hung peer can stall the host too (launch queue full)
+                return run()
         except Exception as e:
             if not isinstance(e, RankFailure):
                 self._died.wait(CAUSE_WAIT_S)
