@@ -95,6 +95,28 @@ def test_static_decode_and_overlapped_steps_under_tensor_parallel(checkpoints):
         assert_released(llm)
 
 
+@pytest.mark.parametrize("how", ["close", "failure"])
+def test_rank_zero_destroys_its_graphs_before_leaving_the_group(checkpoints, monkeypatch, how):
+    """NCCL waits, forever, for every CUDA graph that captured its collectives before it tears a
+    communicator down (or aborts it): rank 0 destroys its decode graphs first, on close and after
+    a worker's death."""
+    import ridge.runner.workers as workers
+    from ridge.runner.model_runner import ModelRunner
+    order, leave, release = [], workers.destroy_tensor_parallel, ModelRunner.release_graphs
+    monkeypatch.setattr(workers, "destroy_tensor_parallel", lambda tp: (order.append("leave"), leave(tp)))
+    monkeypatch.setattr(ModelRunner, "release_graphs", lambda self: (order.append("graphs"), release(self)))
+    llm = LLM(checkpoints("llama"), device="cpu", show_progress=False, max_model_len=64, max_num_seqs=2,
+              attention_backend="triton", tensor_parallel_size=2)
+    llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert llm.engine.runner.decode_graphs is not None and order == []
+    if how == "failure":
+        os.kill(llm.engine.runner.workers.pids[0], signal.SIGKILL)
+        with pytest.raises(RankFailure, match="rank 1"):
+            llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert_released(llm)
+    assert order == ["graphs", "leave"]
+
+
 def test_a_killed_worker_fails_the_engine_naming_the_rank(checkpoints):
     llm = LLM(checkpoints("llama"), **TP2)
     pool = llm.engine.runner.workers
