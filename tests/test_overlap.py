@@ -103,8 +103,9 @@ def test_attention_in_micro_batches_matches_the_whole_batch(backend, q_lens, ctx
         for c, qn, t in zip(ctx_lens, q_lens, tables):
             pos = torch.arange(c - qn)
             slots = torch.tensor(t)[pos // PAGE] * PAGE + pos % PAGE
-            write_kv_ref(torch.randn(len(pos), kv_heads, d, generator=torch.Generator().manual_seed(c)),
-                         torch.randn(len(pos), kv_heads, d, generator=torch.Generator().manual_seed(c + 1)), kc, vc, slots)
+            old_k, old_v = (torch.randn(len(pos), kv_heads, d, generator=torch.Generator().manual_seed(c + i))
+                            for i in (0, 1))
+            write_kv_ref(old_k, old_v, kc, vc, slots)
         return kc, vc
 
     kc, vc = fresh_cache()

@@ -52,7 +52,8 @@ def test_overlapped_prefill_gives_one_rank_and_transformers_tokens(checkpoints, 
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                    str(free_port()), str(script), path, str(out), json.dumps(BATCHES)], env=env, check=True, timeout=300)
+                    str(free_port()), str(script), path, str(out), json.dumps(BATCHES)],
+                   env=env, check=True, timeout=300)
     got = json.loads(out.read_text())
     one = LLM(path, device="cpu", show_progress=False, max_model_len=256, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

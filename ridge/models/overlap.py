@@ -7,8 +7,8 @@ after an all-reduce needs its result, so inside one layer nothing independent of
 independent of a collective comes only from other tokens: cut the step's tokens into two
 micro-batches A and B, and while A's partial sum is being summed B computes, then the other way:
 
-    A: attn ─ AR ─────────── mlp ─ AR ──────────── attn (next layer) ...
-    B:        attn ─ AR ──────────── mlp ─ AR ──────────── ...
+    compute:  A attn   B attn   A mlp    B mlp    A attn   B attn   ...   (layer i, then i + 1)
+    network:           A sum    B sum    A sum    B sum    A sum    ...
 
 (compute on the current stream; under NCCL an async all-reduce runs on the communicator's own
 stream, and its wait() makes the current stream wait, not the host). Each layer runs A's attention
