@@ -72,10 +72,8 @@
 #                  weights; a shape whose share does not fit a GPU is skipped), batch 1 and 64 (TP_ARGS passes
 #                  flags, e.g. --tp 1 2 4) -> tp_decode.json -- 2+ GPUs
 #   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
-#                  without them), prefill (their exposed time a layer in an eager prefill step of 512-4096 tokens, 8B and
-#                  70B shapes cut to 8 layers, whole vs two overlapped micro-batches, each with and without collectives)
-#                  and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
-#                  -> tp_comm.json, tp_prefill.json, tp_ring.json -- 2+ GPUs
+#                  without them) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
+#                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
 # Every part runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off).
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
 # when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
@@ -281,7 +279,5 @@ part moe-mixtral 150 500 "python3 -m ridge.utils.random_checkpoint /tmp/mixtral-
 part tp-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_tp_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b ${TP_ARGS:-} --json $OUT/tp_decode.json \
     2>&1 | grep -v -i warn | tail -30"
-part tp-comm 300 560 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
-    | tail -12; python3 benchmarks/tp.py prefill --shapes llama3-8b llama3-70b --tp 2 --run-timeout 240 \
-    --json $OUT/tp_prefill.json 2>&1 | grep -v -i warn | tail -16; \
-    python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"
+part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
+    | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"

@@ -9,21 +9,12 @@
           are and again with every collective replaced by a local no-op of the same shape (the
           same kernels, no communication). The difference is the exposed communication time of a
           step; divided by the layers, a layer's (its two all-reduces); over the step, the share.
-  prefill the collectives' exposed time in an eager prefill step of T tokens (one sequence; shapes
-          cut to --layers layers, config only + dummy weights: a layer's time does not depend on
-          how many there are, and the 70B shape's share then fits any GPU), N ranks (one a GPU):
-          run whole and as two overlapped micro-batches (ridge/models/overlap.py), each with and
-          without communication (every collective a local no-op of the same shape, as in comm).
-          Exposed a layer: (with - without collectives, run whole) / layers, before; (overlapped
-          - whole without collectives) / layers, after (the split's own cost counted against it).
   ring    a decode step's plan (ridge/runner/step_message.py's layout, batch B at a context of
           --context tokens) handed to a second process through the shared-memory step ring
           against a gloo broadcast of the same bytes (benchmarks/step_ring.py's round trips).
 
     python benchmarks/tp.py decode --shapes llama3-8b llama3-70b --tp 1 2 --batches 1 64 --json tp_decode.json
     python benchmarks/tp.py comm --shape llama3-8b --tp 2 --batches 1 64 --json tp_comm.json
-    python benchmarks/tp.py prefill --shapes llama3-8b llama3-70b --tp 2 --tokens 512 1024 2048 4096 \
-        --json tp_prefill.json
     python benchmarks/tp.py ring --batches 1 256 --json tp_ring.json
 
 NVLink multicast (NCCL's NVLS) stays off: NCCL_NVLS_ENABLE=0 is set for this process and its
@@ -48,17 +39,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
-from tp_ranks import join, leave, no_comm, rank_runner, run_ranks, use_group  # noqa: E402
 
 
-def shape_dir(preset: str, layers: int | None = None) -> str:
-    """A config-only checkpoint of the preset, optionally of its first `layers` layers (written once
-    under /tmp)."""
+def shape_dir(preset: str) -> str:
+    """A config-only checkpoint of the preset (written once under /tmp)."""
     from ridge.utils.random_checkpoint import make_random_checkpoint
-    cut = dict(num_hidden_layers=layers) if layers else {}
-    path = os.path.join(tempfile.gettempdir(), f"ridge-{preset}{f'-{layers}l' if layers else ''}-config")
+    path = os.path.join(tempfile.gettempdir(), f"ridge-{preset}-config")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        make_random_checkpoint(path, preset=preset, dtype=torch.bfloat16, config_only=True, **cut)
+        make_random_checkpoint(path, preset=preset, dtype=torch.bfloat16, config_only=True)
     return path
 
 
@@ -133,14 +121,41 @@ def decode_table(r: dict) -> str:
 
 # -- comm: the collectives' share of a decode step --------------------------------------------------------
 def _comm_rank(rank: int, size: int, port: int, path: str, batches: list[int], reps: int, out) -> None:
+    import dataclasses
+    import datetime
+
     import torch.distributed as dist
 
-    tp = join(rank, size, port)
-    runner = rank_runner(path, tp, max_model_len=1024, max_num_seqs=max(batches))
-    runner.allocate_kv_cache(max(batches) * 1024 // runner.cfg.page_size + 1)
+    from ridge.config import EngineConfig
+    from ridge.parallel import TensorParallel, init_tensor_parallel
+    from ridge.runner.model_runner import ModelRunner
+
+    @dataclasses.dataclass(frozen=True)
+    class NoComm(TensorParallel):
+        """Every collective a local op of the same shape: the same kernels, nothing exchanged."""
+        def all_reduce(self, x):
+            return x
+
+        def all_gather(self, x):
+            return x.repeat(*([1] * (x.dim() - 1)), self.size)
+
+        def broadcast(self, x, src=0):
+            return x
+
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    tp = init_tensor_parallel(rank, size, device, store)
+    cfg, model_cfg = EngineConfig(model=path, load_format="dummy", device="cuda", max_model_len=1024,
+                                  max_num_seqs=max(batches), tensor_parallel_size=size).resolve()
+    cfg = dataclasses.replace(cfg, device=device)
+    runner = ModelRunner(cfg, model_cfg, show_progress=False, tp=tp)
+    runner.allocate_kv_cache(max(batches) * 1024 // cfg.page_size + 1)
     result = {}
-    for label, group in (("with_comm", tp), ("no_comm", no_comm(tp))):
-        use_group(runner.model, group)
+    for label, group in (("with_comm", tp), ("no_comm", NoComm(rank, size, tp.group))):
+        for m in runner.model.modules():
+            if isinstance(getattr(m, "tp", None), TensorParallel):
+                m.tp = group
         runner.decode_graphs = None
         torch.cuda.empty_cache()
         runner.setup_decode(use_graphs=True)
@@ -159,18 +174,32 @@ def _comm_rank(rank: int, size: int, port: int, path: str, batches: list[int], r
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 10 / 1e3)
             result[(label, b)] = statistics.median(times)
-    leave(tp, out, {f"{k[0]}:{k[1]}": v for k, v in result.items()})
+    if rank == 0:
+        out.put({f"{k[0]}:{k[1]}": v for k, v in result.items()})
+    dist.barrier(group=tp.host_group)
+    dist.destroy_process_group()
 
 
 def comm(a) -> dict:
+    import torch.multiprocessing as mp
+
     from ridge.model_config import ModelConfig
 
     path = shape_dir(a.shape)
     rows = []
     for size in a.tp:
-        times = run_ranks(_comm_rank, size, (path, a.batches, a.reps), a.run_timeout)
-        if times is None:
+        if size < 2 or size > torch.cuda.device_count():
+            print(f"  TP={size}: skipped ({torch.cuda.device_count()} GPUs)", flush=True)
             continue
+        ctx = mp.get_context("spawn")
+        out, port = ctx.Queue(), 29600 + os.getpid() % 1000
+        procs = [ctx.Process(target=_comm_rank, args=(r, size, port, path, a.batches, a.reps, out))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        times = out.get(timeout=a.run_timeout)
+        for p in procs:
+            p.join(60)
         layers = ModelConfig.from_dir(path).num_layers
         for b in a.batches:
             real, local = times[f"with_comm:{b}"], times[f"no_comm:{b}"]
@@ -188,96 +217,6 @@ def comm_table(r: dict) -> str:
                         [[x["tp"], x["batch"], f"{x['step_s'] * 1e3:.3f}", f"{x['step_no_comm_s'] * 1e3:.3f}",
                           f"{x['exposed_comm_per_layer_s'] * 1e6:.1f}", f"{x['comm_share']:.1%}"] for x in c["rows"]],
                         title=f"collectives in a decode step (CUDA graph replay), {c['shape']}")
-
-
-# -- prefill: the collectives' exposed time in an eager prefill step, whole and overlapped ----------------
-PREFILL_MODES = ("whole", "whole_no_comm", "overlap", "overlap_no_comm")
-
-
-def _prefill_rank(rank: int, size: int, port: int, paths: dict, tokens: list[int], reps: int, out) -> None:
-    """Overlapped modes cut every step (the threshold set to 1 token), so the table shows where the
-    overlap pays; `on` in it says where OVERLAP_MIN_TOKENS turns it on."""
-    import torch.distributed as dist
-
-    import ridge.models.overlap as overlap
-
-    tp, result, threshold = join(rank, size, port), {}, overlap.OVERLAP_MIN_TOKENS
-    for shape, path in paths.items():
-        T = max(tokens)
-        runner = rank_runner(path, tp, max_model_len=T, max_num_batched_tokens=T, max_num_seqs=1)
-        page = runner.cfg.page_size
-        runner.allocate_kv_cache(T // page + 1)
-        runner.warm_up_prefill()            # the engine's: the prefill kernels tuned on a 2048-token chunk
-        for n in tokens:
-            ids = torch.randint(0, runner.model_cfg.vocab_size, (n,), device=runner.device)
-            positions = torch.arange(n, device=runner.device)
-            meta = runner.metadata(list(range(n)), [0, n], [n], [list(range(-(-n // page)))])
-            hidden = {}
-            for mode in PREFILL_MODES:
-                use_group(runner.model, no_comm(tp) if mode.endswith("no_comm") else tp)
-                # every rank alike, or their collectives would differ
-                overlap.OVERLAP_MIN_TOKENS = 1 if mode.startswith("overlap") else n + 1
-                with torch.inference_mode():
-                    for _ in range(2):
-                        hidden[mode] = runner.model(ids, positions, runner.layer_caches, meta)
-                    times = []
-                    for _ in range(reps):
-                        dist.barrier(group=tp.host_group)
-                        torch.cuda.synchronize()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        runner.model(ids, positions, runner.layer_caches, meta)
-                        end.record()
-                        end.synchronize()
-                        times.append(start.elapsed_time(end) / 1e3)
-                result[f"{shape}:{n}:{mode}"] = statistics.median(times)
-            w, o = hidden["whole"].float(), hidden["overlap"].float()
-            result[f"{shape}:{n}:difference"] = ((o - w).abs().max() / w.abs().max()).item()
-        del runner
-        torch.cuda.empty_cache()
-    overlap.OVERLAP_MIN_TOKENS = threshold
-    leave(tp, out, result)
-
-
-def prefill(a) -> dict:
-    from ridge.model_config import ModelConfig
-    from ridge.models.overlap import OVERLAP_MIN_TOKENS
-
-    paths = {s: shape_dir(s, a.layers) for s in a.shapes}
-    rows = []
-    for size in a.tp:
-        times = run_ranks(_prefill_rank, size, (paths, a.tokens, a.reps), a.run_timeout)
-        if times is None:
-            continue
-        for shape, path in paths.items():
-            layers = ModelConfig.from_dir(path).num_layers
-            for n in a.tokens:
-                t = {m: times[f"{shape}:{n}:{m}"] for m in PREFILL_MODES}
-                before, after = t["whole"] - t["whole_no_comm"], t["overlap"] - t["whole_no_comm"]
-                rows.append(dict(shape=shape, layers=layers, tp=size, tokens=n, on=n >= OVERLAP_MIN_TOKENS,
-                                 **{f"{m}_s": v for m, v in t.items()}, exposed_before_per_layer_s=before / layers,
-                                 exposed_after_per_layer_s=after / layers,
-                                 split_cost_per_layer_s=(t["overlap_no_comm"] - t["whole_no_comm"]) / layers,
-                                 speedup=t["whole"] / t["overlap"],
-                                 max_difference=times[f"{shape}:{n}:difference"]))
-                print(f"  {shape} TP={size} T={n}: whole {t['whole'] * 1e3:.2f} ms (no comm "
-                      f"{t['whole_no_comm'] * 1e3:.2f}), overlapped {t['overlap'] * 1e3:.2f} ms (no comm "
-                      f"{t['overlap_no_comm'] * 1e3:.2f}); exposed a layer {before / layers * 1e6:.1f} -> "
-                      f"{after / layers * 1e6:.1f} us; hidden states differ by {rows[-1]['max_difference']:.1e} "
-                      f"of their largest", flush=True)
-    return dict(prefill=dict(threshold=OVERLAP_MIN_TOKENS, rows=rows))
-
-
-def prefill_table(r: dict) -> str:
-    rows, ms, us = r["prefill"]["rows"], lambda s: f"{s * 1e3:.2f}", lambda s: f"{s * 1e6:.1f}"  # noqa: E731
-    return format_table(
-        ["shape", "TP", "tokens", "on", "whole ms", "overlapped ms", "no-comm ms", "exposed us/layer", "overlapped",
-         "split cost us/layer", "speedup"],
-        [[x["shape"], x["tp"], x["tokens"], "yes" if x["on"] else "no", ms(x["whole_s"]), ms(x["overlap_s"]),
-          ms(x["whole_no_comm_s"]), us(x["exposed_before_per_layer_s"]), us(x["exposed_after_per_layer_s"]),
-          us(x["split_cost_per_layer_s"]), f"{x['speedup']:.3f}x"] for x in rows],
-        title=f"collectives in an eager prefill step of one sequence ({rows[0]['layers'] if rows else '-'} layers), "
-              f"whole vs two overlapped micro-batches (on: tokens >= OVERLAP_MIN_TOKENS)")
 
 
 # -- ring: a decode step's plan, ring vs broadcast ---------------------------------------------------------
@@ -317,7 +256,7 @@ def ring_table(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["decode", "comm", "prefill", "ring", "decode-one"])
+    ap.add_argument("what", choices=["decode", "comm", "ring", "decode-one"])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3-70b"])
     ap.add_argument("--shape", default="llama3-8b", help="comm: the model shape")
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -327,10 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--kv-gb", type=float, default=4.0, help="decode: KV pool a GPU, GiB")
-    ap.add_argument("--reps", type=int, default=20, help="comm: timed repetitions of 10 replays; prefill: of a step")
-    ap.add_argument("--tokens", nargs="+", type=int, default=[512, 1024, 2048, 4096],
-                    help="prefill: tokens in the step")
-    ap.add_argument("--layers", type=int, default=8, help="prefill: the shapes' first LAYERS layers")
+    ap.add_argument("--reps", type=int, default=20, help="comm: timed repetitions of 10 replays")
     ap.add_argument("--context", type=int, default=4096, help="ring: the context of the step's page tables")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
@@ -341,12 +277,12 @@ def main(argv=None) -> int:
     if a.what == "decode-one":
         decode_one(a)
         return 0
-    r = {"decode": decode, "comm": comm, "prefill": prefill, "ring": ring}[a.what](a)
+    r = {"decode": decode, "comm": comm, "ring": ring}[a.what](a)
     r["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     r["gpus"] = torch.cuda.device_count()
     if a.json:
         write_json(a.json, r)
-    print({"decode": decode_table, "comm": comm_table, "prefill": prefill_table, "ring": ring_table}[a.what](r))
+    print({"decode": decode_table, "comm": comm_table, "ring": ring_table}[a.what](r))
     return 0
 
 

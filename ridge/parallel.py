@@ -65,13 +65,6 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_reduce_async(self, x: torch.Tensor):
-        """Start summing x over the ranks, in place; returns a handle whose wait() must come before
-        x is read. Under NCCL the sum runs on the communicator's own stream and wait() makes the
-        current stream wait for it (the host does not block), so kernels queued meanwhile overlap
-        it; under gloo a background thread sums and wait() blocks the host."""
-        return dist.all_reduce(x, group=self.group, async_op=True) if self.size > 1 else _DONE
-
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on each rank -> [rows, size * n], the ranks' columns side by side in rank order."""
         if self.size == 1:
@@ -120,13 +113,7 @@ def launched() -> Launch:
                          f"and this one's environment lacks {e} (torchrun --nproc-per-node N ...)") from None
 
 
-class _Done:
-    """The handle of a sum over one rank: nothing to wait for."""
-    def wait(self) -> bool:
-        return True
-
-
-SINGLE, _DONE = TensorParallel(), _Done()
+SINGLE = TensorParallel()
 # the ranks' tensors stacked along dim 0 into one output (torch >= 2.12 renamed it)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -24,8 +24,7 @@ such a layer is `fp8_producer` and states no quantization pass of its own.
 Tensor parallelism (`tp`, ridge/parallel.py): a column-parallel layer holds this rank's rows of
 each shard (`sources`: where they sit in the checkpoint tensor; an even split unless the caller
 says otherwise, as attention does for KV heads copied onto several ranks), a row-parallel layer
-this rank's share of the input columns, its partial outputs summed by one all-reduce (or handed
-back unsummed, `forward(x, reduce=False)`, for a caller that overlaps the sum). Its bias is
+this rank's share of the input columns, its partial outputs summed by one all-reduce. Its bias is
 whole on every rank and added by rank 0 alone, inside the same GEMM, so the sum counts it once.
 `in_features` / `out_features` are this rank's, and so is the cost the layer states.
 """
@@ -155,10 +154,9 @@ class Linear(nn.Module):
         formats leave the activations as they are)."""
         return self.fp8_producer and step.weights is None and self.takes_fp8(rows)
 
-    def forward(self, x, reduce: bool = True):
+    def forward(self, x):
         """input_act(x) @ weight^T (+ bias); x may be an Fp8Activation where takes_fp8; row-parallel:
-        summed over the ranks, or with reduce False this rank's partial sum, which the caller sums
-        (ridge/models/overlap.py, to overlap the sum with other work)."""
+        summed over the ranks."""
         bias = self.bias if self.parallel != "row" or self.tp.rank == 0 else None
         if self.quant_method is not None:
             if self.input_act is not None:
@@ -171,7 +169,7 @@ class Linear(nn.Module):
             if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
                 x, act = self.input_act(x), None
             y = gemv(x, self.weight, bias, act=act) if gemv_path else F.linear(x, self.weight, bias)
-        return self.tp.all_reduce(y) if self.parallel == "row" and reduce else y
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
 
     def weight_precision(self, step: StepShape, rows: int | None = None) -> Precision:
         """The step's what-if format, else its own for `rows` rows: INT4 with its group scales, FP8

@@ -29,9 +29,8 @@ class GatedMLP(nn.Module):
         """The one projection reading the block's input (the norm before it may hand it FP8)."""
         return self.gate_up_proj
 
-    def forward(self, x, reduce: bool = True):
-        """reduce False: this rank's partial sum (Linear.forward)."""
-        return self.down_proj(self.gate_up_proj(x), reduce=reduce)
+    def forward(self, x):
+        return self.down_proj(self.gate_up_proj(x))
 
     def cost(self, step: StepShape) -> list[OpCost]:
         return (child("gate_up_proj", self.gate_up_proj.cost(step, name="gate_up_proj"))

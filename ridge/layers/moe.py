@@ -98,10 +98,9 @@ class FusedMoE(nn.Module):
             w.normal_(0.0, std, generator=generator)
         self.finish_loading()
 
-    def forward(self, router_logits: torch.Tensor, x: torch.Tensor, score_bias: torch.Tensor | None = None,
-                reduce: bool = True) -> torch.Tensor:
-        """router_logits [T, E], x [T, H] -> sum over each token's top_k experts of weight * expert(x)
-        (reduce False: this rank's partial sum, Linear.forward's)."""
+    def forward(self, router_logits: torch.Tensor, x: torch.Tensor, score_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """router_logits [T, E], x [T, H] -> sum over each token's top_k experts of weight * expert(x)."""
         w13, w2 = self.weights()
         if self.grouped is not None:
             weights, experts = route_grouped_ref(router_logits, self.top_k, self.renormalize, self.grouped, score_bias)
@@ -116,7 +115,7 @@ class FusedMoE(nn.Module):
             out = fused_moe_small(x, w13, w2, weights, experts, choice[1])
         else:
             out = fused_moe_grouped(x, w13, w2, weights, experts, choice[1], fuse_sum=choice[0] == "grouped")
-        return self.tp.all_reduce(out) if reduce else out
+        return self.tp.all_reduce(out)
 
     def tokens_per_expert(self, num_tokens: int) -> list[int] | None:
         """The last step's pairs per expert, if its expert choice is kept and was for num_tokens."""

@@ -28,7 +28,6 @@ from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.sampler import sampling_cost
 from ridge.models.mla import MLAttention
 from ridge.models.moe import SparseMoeBlock
-from ridge.models.overlap import overlap_cut, run_overlapped
 from ridge.parallel import SINGLE, TensorParallel
 
 # checkpoint projection name -> (ridge merged module, shard)
@@ -66,14 +65,13 @@ class LlamaAttention(nn.Module):
         """The one projection reading the block's input (the norm before it may hand it FP8)."""
         return self.qkv_proj
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, reduce: bool = True):
-        """reduce False: o_proj's partial sum, for the caller to sum over the ranks (Linear.forward)."""
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         d, q_size, kv_size = self.cfg.head_dim, self.heads * self.cfg.head_dim, self.kv_heads * self.cfg.head_dim
         q, k, v = (t.view(-1, n, d) for t, n in zip(self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1),
                                                     (self.heads, self.kv_heads, self.kv_heads)))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, q_size), reduce=reduce)
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, q_size))
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))
@@ -97,18 +95,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.mlp.input_proj)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        return self.mlp_block(*self.attention_block(positions, x, residual, kv_cache, meta))
-
-    def attention_block(self, positions, x, residual, kv_cache, meta, reduce: bool = True):
-        """The layer's first half, up to its first all-reduce: (attention output, residual); with
-        reduce False the output is this rank's partial sum (ridge/models/overlap.py sums it)."""
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        return self.self_attn(positions, x, kv_cache, meta, reduce=reduce), residual
-
-    def mlp_block(self, x, residual, reduce: bool = True):
-        """The layer's second half, from the first all-reduce's result to the second's."""
+        x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, reduce=reduce), residual
+        return self.mlp(x), residual
 
     def cost(self, step: StepShape, first: bool = False) -> list[OpCost]:
         """The first layer's input norm has no residual yet."""
@@ -125,18 +115,11 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tp = tp
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        """Under tensor parallelism a step of enough tokens runs its layers as two micro-batches,
-        each one's all-reduces overlapped with the other's compute (ridge/models/overlap.py)."""
         x, residual = self.embed_tokens(input_ids), None
-        cut = overlap_cut(meta, self.tp, x)
-        if cut is not None:
-            x, residual = run_overlapped(self.layers, kv_caches, self.tp, positions, x, meta, cut)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(positions, x, residual, kv_cache, meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def cost(self, step: StepShape) -> list[OpCost]:

@@ -69,14 +69,13 @@ class MLAttention(nn.Module):
                 if p is not None:
                     p.data.copy_(p.data[rows.to(p.device)])
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, reduce: bool = True):
-        """reduce: o_proj's (Linear.forward); latent attention runs on one rank, so it sums nothing."""
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         m, H = self.mla, self.cfg.num_heads
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         out = self.attn(positions, q.view(-1, H, m.qk_nope_head_dim + m.qk_rope_head_dim),
                         self.kv_a_layernorm(latent.contiguous()), k_pe, self.kv_b_proj.weight, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, H * m.v_head_dim), reduce=reduce)
+        return self.o_proj(out.reshape(-1, H * m.v_head_dim))
 
     def cost(self, step: StepShape) -> list[OpCost]:
         T, m = step.num_tokens, self.mla

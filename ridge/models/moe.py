@@ -51,16 +51,13 @@ class SparseMoeBlock(nn.Module):
             return self.gate(x)
         return F.linear(x.float(), self.gate.weight)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """reduce False: this rank's partial sum (Linear.forward). The routed and the shared experts'
-        partial sums are added before the one all-reduce (the gate is whole on every rank, so scaling
-        a partial sum by it scales their sum)."""
-        out = self.experts(self.router_logits(x), x, getattr(self.gate, "e_score_correction_bias", None), reduce=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(self.router_logits(x), x, getattr(self.gate, "e_score_correction_bias", None))
         if self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
-            out = out + self.shared_expert(x, reduce=False)
-        return self.experts.tp.all_reduce(out) if reduce else out
+            out = out + self.shared_expert(x)
+        return out
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("gate", self.gate.cost(step, name="moe_router")) + child("experts", self.experts.cost(step))
