@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,10 @@ class TensorParallel:
     group: object = None            # the torch.distributed process group (None: one rank)
     # NCCL reduces only device tensors: small host-side values go through a gloo group beside it
     host_group: object = None
+    # set (with the reason) once the group is being aborted: no collective may start after it
+    # (NCCL's abort holds the communicator while it waits for the CUDA graphs to go, so a collective
+    # entered then would wait on it for ever, in the thread that must release those graphs)
+    failed: list = field(default_factory=list, compare=False)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -59,9 +64,14 @@ class TensorParallel:
         start = min(self.rank * share, size)
         return start, min(share, size - start), share
 
+    def _check(self) -> None:
+        if self.failed:
+            raise RankFailure(self.failed[0])
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place."""
         if self.size > 1:
+            self._check()
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -69,6 +79,7 @@ class TensorParallel:
         """[rows, n] on each rank -> [rows, size * n], the ranks' columns side by side in rank order."""
         if self.size == 1:
             return x
+        self._check()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         _all_gather_single(out, x.contiguous(), group=self.group)
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
@@ -76,6 +87,7 @@ class TensorParallel:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's x on every rank, in place."""
         if self.size > 1:
+            self._check()
             dist.broadcast(x, src=src, group=self.group)
         return x
 

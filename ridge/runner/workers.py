@@ -168,6 +168,7 @@ class WorkerPool:
             callback(self.failure)
         # NCCL work waiting on the dead or hung rank returns at once (the abort flag); the abort
         # itself then waits for rank 0's CUDA graphs to go, which the engine's thread releases (_fail)
+        self.tp.failed.append(self.failure)     # rank 0's thread raises at its next collective
         with self._leaving:
             abort_tensor_parallel(self.tp)
 
