@@ -26,6 +26,7 @@ from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
 from ridge.layers.cost import Precision, precision_of
 from ridge.layers.quant.fp8 import quantize_fp8_block
 from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul, quantized_matmul
+from ridge.layers.weights import set_weight_loader
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,16 @@ class Fp8Activation:
 
 
 class Fp8Config:
-    """The `fp8` quantization setting: block-scaled W8A8 quantized from a float checkpoint at load."""
+    """The `fp8` quantization setting: block-scaled W8A8 quantized from a float checkpoint at load.
+    dummy: the weights are dummy ones (load_format "dummy"), made layer by layer on the device and
+    quantized at once; nothing is loaded into a float weight."""
     format = "fp8"
 
+    def __init__(self, dummy: bool = False):
+        self.dummy = dummy
+
     def linear_method(self, layer: nn.Module) -> "Fp8Linear":
-        return Fp8Linear(layer)
+        return Fp8Linear(layer, float_weight_later=self.dummy)
 
 
 class Fp8Linear:
@@ -51,7 +57,9 @@ class Fp8Linear:
     (checkpoint or dummy); finish_loading quantizes it and picks the GEMM per batch-size bucket."""
     loads_float_weight = True
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, float_weight_later: bool = False):
+        # Linear leaves the float weight on the meta device; initialize_dummy makes it for real
+        self.float_weight_later = float_weight_later
         self.paths: dict[int, str] | None = None       # bucket -> path; None: the CPU reference
         self.float_dtype = torch.bfloat16               # the float weight's, kept for "bf16" buckets
         layer.register_buffer("weight_fp8", None)
@@ -68,6 +76,14 @@ class Fp8Linear:
             layer.weight = None                           # only the FP8 weight is ever read: free the bf16 one
 
     def initialize_dummy(self, layer, generator: torch.Generator, std: float) -> None:
+        """normal(0, std) float weights quantized at once. A meta weight (float_weight_later) is made
+        here, on the generator's device: one layer's float weight at a time exists, then goes
+        (unless the dispatch keeps it for a bf16 bucket)."""
+        w = layer.weight
+        if w.is_meta:
+            layer.weight = set_weight_loader(
+                nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=generator.device), requires_grad=False),
+                w.weight_loader, w.shard_ids)
         layer.weight.normal_(0.0, std, generator=generator)
         self.finish_loading(layer)
 
