@@ -33,7 +33,7 @@ from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
 from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
-from ridge.layers.quant.fp8_linear import Fp8Config
+from ridge.layers.quant.fp8_linear import Fp8Config, keeps_float_copies
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 from ridge.parallel import SINGLE, TensorParallel
@@ -96,6 +96,10 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     finally:
         torch.set_default_dtype(default)
     if load_format == "dummy":
+        if isinstance(quant, Fp8Config):
+            # the float weights are still shapes here: their size says whether bf16 copies may stay
+            float_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+            quant.keep_float = keeps_float_copies(float_bytes, torch.device(device))
         initialize_dummy_weights(model, seed)
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:
