@@ -267,7 +267,9 @@ def summarize_round(a, serve: dict | None) -> dict:
     first = {s["title"]: s["first_target"] for s in (rep or {}).get("steps", [])}
     return dict(round=a.round, about=ROUNDS[a.round][0], smoke=a.smoke, flags=engine_flags(a)[2:],
                 device=extra.get("device"), date=time.strftime("%Y-%m-%d"), figures=figs,
-                roofline_first_target=first, spec=dict(alpha=ALPHA, k=K) if a.round == 3 else None,
+                roofline_first_target=first, spec=dict(alpha=ALPHA, k=K, **{
+                    f"{n}_acceptance_rate": (load(f"latency_b1_{n}.json") or {}).get("spec_acceptance_rate")
+                    for n in ("spec", "ngram")}) if a.round == 3 else None,
                 serve=serve and {k: serve[k] for k in ("chosen_rate", "note", "probes")})
 
 
@@ -276,9 +278,10 @@ def run_round(a) -> int:
 
     t0 = time.monotonic()
     os.makedirs(a.out, exist_ok=True)
-    if a.smoke:                         # the smallest bundled model (demo-code-12m's draft): a CI-sized run
+    if a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
         from ridge.assets import demo_model_path
-        a.model = a.model or os.path.join(os.path.dirname(demo_model_path()), "demo-code-3m")
+        a.model = a.model or (demo_model_path() if "int4" in engine_flags(a) else
+                              os.path.join(os.path.dirname(demo_model_path()), "demo-code-3m"))
     elif not os.path.exists(os.path.join(a.model, "config.json")):
         subprocess.run([sys.executable, "-m", "ridge.utils.random_checkpoint", a.model, "--arch", "llama",
                         "--preset", "llama3-70b", "--config-only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
