@@ -74,6 +74,10 @@
 #   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
 #                  without them) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
 #                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
+#   case-70b       benchmarks/case_study_70b.py round --round $ROUND (default 0) on the Llama-3-70B shape (config only,
+#                  dummy weights; CASE_ARGS passes flags, e.g. --engine-args '...' --rates 2 4 8): ridge bench latency,
+#                  ridge roofline and the ridge serve sweep, bounded by what is left -> case70b_round$ROUND.tar.gz (the
+#                  round's directory) and its summary.json; one H200
 # Every part runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off).
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
 # when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
@@ -86,7 +90,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,tp-tests,tp,tp-comm
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,tp-tests,tp,tp-comm,case-70b
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
@@ -279,5 +283,8 @@ part moe-mixtral 150 500 "python3 -m ridge.utils.random_checkpoint /tmp/mixtral-
 part tp-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_tp_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b ${TP_ARGS:-} --json $OUT/tp_decode.json \
     2>&1 | grep -v -i warn | tail -30"
+part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; python3 benchmarks/case_study_70b.py round --round \$R \
+    --model /tmp/llama3-70b --out \$D --budget-s \$(( $(left) - 30 )) ${CASE_ARGS:-} 2>&1 | grep -v -i warn | tail -20; \
+    cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
 part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
     | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"

@@ -212,8 +212,19 @@ def without_near_ties(llm) -> None:
     if hasattr(model, "lm_head"):                  # (a tied model reads the embedding already)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.mul_(1e-3)
-        layer.mlp.down_proj.weight.mul_(1e-3)
+        scale_projection(layer.self_attn.o_proj, 1e-3)
+        scale_projection(layer.mlp.down_proj, 1e-3)
+
+
+def scale_projection(linear, factor: float) -> None:
+    """Multiply a projection's weights by `factor` in whatever form it holds them: the float weight,
+    FP8 blocks (their scales; and a bf16 copy the dispatch kept), INT4 groups (their scales)."""
+    if getattr(linear, "weight", None) is not None:
+        linear.weight.mul_(factor)
+    if getattr(linear, "weight_scale_inv", None) is not None:
+        linear.weight_scale_inv.mul_(factor)
+    elif linear.quant_method is not None and hasattr(linear.quant_method, "table"):
+        linear.quant_method.table(linear, "scales").mul_(factor)
 
 
 def run_oracle(a) -> dict:

@@ -33,6 +33,7 @@ def test_goodput_counts_requests_meeting_both_slos():
     s = summarize_run([good, slow_first, slow_rest, failed], duration=2.0, slo_ttft=1.0, slo_tpot=0.1)
     assert (s["completed"], s["failed"], s["good_requests"]) == (3, 1, 1)
     assert s["goodput"] == 0.5 and s["request_throughput"] == 1.5 and s["output_throughput"] == 7.5
+    assert s["goodput_output_throughput"] == 2.5                        # the good request's 5 tokens in 2 s
     assert good.tpot == pytest.approx(0.01) and slow_rest.tpot == pytest.approx(0.5)
     assert s["ttft_s"]["max"] == 2.0 and s["itl_s"]["n"] == 12 and s["errors"] == ["HTTP 500: boom"]
 

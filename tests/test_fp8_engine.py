@@ -138,6 +138,26 @@ def test_dispatch_buckets():
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
+def test_a_model_too_big_for_bf16_copies_dispatches_fp8_only(monkeypatch):
+    """Where bf16 measured faster a layer keeps its bf16 weight; a model whose float weights exceed
+    half the GPU (70B on one H200) may not, and takes the fastest FP8 path of every bucket."""
+    from types import SimpleNamespace
+    from ridge.layers.quant.fp8_linear import keeps_float_copies
+    table = {"1": {"choice": "bf16", "us": {"bf16": 5.0, "cublas": 9.0, "triton:ptr64x128": 7.0}, "errors": {}},
+             "64": {"choice": "cublas", "us": {"bf16": 8.0, "cublas": 6.0}, "errors": {}}}
+    monkeypatch.setattr(fp8_dispatch, "cached", lambda path, version, measure: table)
+    w = torch.empty(4, 4)
+    assert fp8_dispatch.dispatch_table(w, w, w) == {1: "bf16", 64: "cublas"}
+    assert fp8_dispatch.dispatch_table(w, w, w, allow_bf16=False) == {1: "triton:ptr64x128", 64: "cublas"}
+    table["64"]["us"] = {"bf16": 8.0}
+    with pytest.raises(RuntimeError, match="no FP8 GEMM ran for 4x4 at batch 64"):
+        fp8_dispatch.dispatch_table(w, w, w, allow_bf16=False)
+    assert keeps_float_copies(10**15, torch.device("cpu"))            # the CPU reference keeps no copy anyway
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))
+    assert keeps_float_copies(16e9, torch.device("cuda"))             # an 8B model's bf16 weights
+    assert not keeps_float_copies(141e9, torch.device("cuda"))        # a 70B model's
+
+
 def test_bad_fp8_settings_are_named():
     with pytest.raises(ValueError, match="kv_cache_hadamard: .*needs kv_cache_dtype='fp8'"):
         EngineConfig(kv_cache_hadamard=True)

@@ -148,3 +148,48 @@ def test_engine_generates_with_dummy_weights(config_only):
 
     first = generate()
     assert len(first) == 6 and first == generate()
+
+
+def test_fp8_dummy_weights_are_made_layer_by_layer(config_only, monkeypatch):
+    """--quantization fp8 with dummy weights: no float weight exists for the whole model at once (a 70B
+    shape would not fit one GPU in bf16). Each layer's is a meta-device shape until its turn, made
+    on the model's device, quantized and dropped; the FP8 values are those of quantizing the plain
+    dummy model (same generator stream), and at most one layer's float weight is alive at a time."""
+    from ridge.layers.quant import fp8_linear
+    from ridge.layers.quant.fp8 import quantize_fp8_block
+    from ridge.layers.quant.fp8_linear import Fp8Config
+
+    layer = Linear(256, {"gate": 128, "up": 128}, quant=Fp8Config(dummy=True))
+    assert layer.weight.is_meta and layer.weight.shard_ids == ("gate", "up")
+    assert Linear(256, 128, quant=Fp8Config()).weight.device.type == "cpu"   # a checkpoint loads into it
+
+    peak = [0]
+    made = fp8_linear.Fp8Linear.finish_loading
+
+    def tracking(self, lin):              # float weights in memory as a layer is quantized
+        real = [m for m in model_layers if m.quant_method is not None and m.weight is not None and not m.weight.is_meta]
+        peak[0] = max(peak[0], len(real))
+        made(self, lin)
+    monkeypatch.setattr(fp8_linear.Fp8Linear, "finish_loading", tracking)
+    model_layers = []
+    orig_init = Linear.__init__
+
+    def recording(self, *a, **k):
+        orig_init(self, *a, **k)
+        model_layers.append(self)
+    monkeypatch.setattr(Linear, "__init__", recording)
+    path = config_only
+    fp8 = load_model(path, ModelConfig.from_dir(path), torch.bfloat16, torch.device("cpu"), TORCH_BACKEND,
+                     max_position=64, show_progress=False, load_format="dummy", seed=4, quantization="fp8")
+    monkeypatch.undo()
+    assert not any(p.is_meta for p in fp8.parameters())
+    assert peak[0] == 1                      # one float weight at a time (the CPU reference keeps none)
+    plain = load_model(path, ModelConfig.from_dir(path), torch.bfloat16, torch.device("cpu"), TORCH_BACKEND,
+                       max_position=64, show_progress=False, load_format="dummy", seed=4)
+    quantized = {n: m for n, m in fp8.named_modules() if isinstance(m, Linear) and m.quant_method is not None}
+    assert quantized
+    floats = dict(plain.named_modules())
+    for name, m in quantized.items():
+        assert m.weight is None, name
+        q, s = quantize_fp8_block(floats[name].weight.data)
+        assert torch.equal(m.weight_fp8.view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.weight_scale_inv, s), name

@@ -72,12 +72,16 @@ class Linear(nn.Module):
             self.shards[name], offset = (offset, rows), offset + rows
         self.in_features, self.out_features = self.in_slice[1], offset
         shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
-        param = lambda *shape: set_weight_loader(nn.Parameter(torch.empty(*shape), requires_grad=False),  # noqa: E731
-                                                 self.weight_loader, shard_ids)
+        param = lambda *shape, device=None: set_weight_loader(  # noqa: E731
+            nn.Parameter(torch.empty(*shape, device=device), requires_grad=False), self.weight_loader, shard_ids)
         # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
         self.quant_method = quant.linear_method(self) if quant is not None else None
         if self.quant_method is None or getattr(self.quant_method, "loads_float_weight", False):
-            self.weight = param(offset, self.in_features)    # FP8 at load: quantized once loaded
+            # FP8 at load: quantized once loaded. With dummy weights the float weight is only a shape
+            # (meta) until its layer's turn, so a model whose float weights outgrow the device (70B
+            # in bf16 on one GPU) never holds more than one layer's of them (Fp8Linear.initialize_dummy)
+            later = getattr(self.quant_method, "float_weight_later", False)
+            self.weight = param(offset, self.in_features, device="meta" if later else None)
         self.bias = param(offset) if bias else None
         self.input_act = input_act
         # the kernel producing the input quantizes it for an FP8 GEMM (its own input activation

@@ -33,7 +33,7 @@ from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
 from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
-from ridge.layers.quant.fp8_linear import Fp8Config
+from ridge.layers.quant.fp8_linear import Fp8Config, keeps_float_copies
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
 from ridge.parallel import SINGLE, TensorParallel
@@ -81,6 +81,8 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     # an FP8 checkpoint loads dequantized; with quantization 'fp8' it is quantized again at load, which
     # gives back its own e4m3 values where its blocks are 128 x 128 (each block's maximum is 448 x scale)
     quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
+    if load_format == "dummy" and isinstance(quant, Fp8Config):
+        quant = Fp8Config(dummy=True)       # each layer made and quantized at its turn, never the whole float model
     if cfg.moe is not None and quant is not None and not isinstance(quant, Fp8Config):
         raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} is not "
                          f"supported for mixture-of-experts models ({cfg.architecture}): ridge's expert kernels run "
@@ -94,7 +96,14 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     finally:
         torch.set_default_dtype(default)
     if load_format == "dummy":
+        if isinstance(quant, Fp8Config):
+            # the float weights are still shapes here: their size says whether bf16 copies may stay
+            float_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+            quant.keep_float = keeps_float_copies(float_bytes, torch.device(device))
         initialize_dummy_weights(model, seed)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"load_model: dummy initialization left {left[0]} (and {len(left) - 1} more) unmade")
     else:
         load_weights(model, path, cfg, show_progress, fp8)
     return model.eval()
@@ -108,15 +117,19 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     owners = {id(p): m for m in model.modules() if callable(getattr(m, "initialize_dummy", None))
               for p in m.parameters(recurse=False)}
-    generators = {p.device: torch.Generator(device=p.device).manual_seed(seed) for p in model.parameters()}
+    # a parameter on the meta device is only a shape until its owner makes it, on the model's device
+    # (an FP8 layer's float weight: ridge/layers/quant/fp8_linear.py)
+    home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+    device = lambda p: home if p.is_meta else p.device      # noqa: E731
+    generators = {device(p): torch.Generator(device=device(p)).manual_seed(seed) for p in model.parameters()}
     filled = set()
-    for p in model.parameters():
+    for p in list(model.parameters()):
         owner = owners.get(id(p))
         if owner is None:
-            p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[p.device])
+            p.normal_(1.0 if id(p) in norms else 0.0, DUMMY_STD, generator=generators[device(p)])
         elif id(owner) not in filled:
             filled.add(id(owner))
-            owner.initialize_dummy(generators[p.device], DUMMY_STD)
+            owner.initialize_dummy(generators[device(p)], DUMMY_STD)
 
 
 @torch.no_grad()

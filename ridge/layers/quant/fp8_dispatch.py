@@ -96,10 +96,19 @@ def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool
     return table
 
 
-def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False) -> dict[int, str]:
+def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False,
+                   allow_bf16: bool = True) -> dict[int, str]:
     """{bucket: path} for this weight's (N, K) on its GPU (fed: its producer quantizes its input), from
-    the per-device cache or measured now."""
+    the per-device cache or measured now. allow_bf16=False: the fastest FP8 path of each bucket, for
+    a model that cannot keep a bf16 copy of its weights beside the FP8 ones."""
     n, k = w.shape
     name = f"dispatch-{device_key(w.device)}-{n}x{k}{'-fed' if fed else ''}.json"
     table = cached(os.path.join(cache_root(), "fp8", name), VERSION, lambda: measure_shape(w, wq, ws, fed))
-    return {int(m): e["choice"] for m, e in table.items()}
+    if allow_bf16:
+        return {int(m): e["choice"] for m, e in table.items()}
+    fp8 = {int(m): {p: t for p, t in e["us"].items() if p != "bf16"} for m, e in table.items()}
+    missing = [m for m, us in fp8.items() if not us]
+    if missing:
+        raise RuntimeError(f"FP8 dispatch: no FP8 GEMM ran for {n}x{k} at batch {missing[0]} "
+                           f"({table[str(missing[0])]['errors']}), and the bf16 weight cannot be kept")
+    return {m: min(us, key=us.get) for m, us in fp8.items()}

@@ -26,6 +26,7 @@ from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
 from ridge.layers.cost import Precision, precision_of
 from ridge.layers.quant.fp8 import quantize_fp8_block
 from ridge.layers.quant.fp8_dispatch import bf16_matmul, bucket_of, dispatch_table, fp8_matmul, quantized_matmul
+from ridge.layers.weights import set_weight_loader
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,33 @@ class Fp8Activation:
     dtype: torch.dtype
 
 
+# A layer keeps its bf16 weight beside the FP8 one for the batch sizes where bf16 measured faster,
+# but only while the model's float weights take at most this share of the device's memory: a 70B
+# model on one GPU (141 GB in bf16) cannot hold 80 layers' bf16 copies of qkv, o and down (~60 GB)
+# beside its FP8 weights and still have room for a KV cache; it runs FP8 at every batch size.
+FLOAT_COPY_MAX_SHARE = 0.5
+
+
+def keeps_float_copies(float_bytes: int, device: torch.device) -> bool:
+    """Whether a model whose projections hold `float_bytes` in float may keep bf16 copies on `device`."""
+    if device.type != "cuda":
+        return True
+    return float_bytes <= FLOAT_COPY_MAX_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
 class Fp8Config:
-    """The `fp8` quantization setting: block-scaled W8A8 quantized from a float checkpoint at load."""
+    """The `fp8` quantization setting: block-scaled W8A8 quantized from a float checkpoint at load.
+    dummy: the weights are dummy ones (load_format "dummy"), made layer by layer on the device and
+    quantized at once; nothing is loaded into a float weight. keep_float: whether a layer may keep
+    its bf16 weight for the batch sizes where bf16 measured faster (set by the loader from the
+    model's size, keeps_float_copies)."""
     format = "fp8"
 
+    def __init__(self, dummy: bool = False):
+        self.dummy, self.keep_float = dummy, True
+
     def linear_method(self, layer: nn.Module) -> "Fp8Linear":
-        return Fp8Linear(layer)
+        return Fp8Linear(layer, float_weight_later=self.dummy, config=self)
 
 
 class Fp8Linear:
@@ -51,7 +73,9 @@ class Fp8Linear:
     (checkpoint or dummy); finish_loading quantizes it and picks the GEMM per batch-size bucket."""
     loads_float_weight = True
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, float_weight_later: bool = False, config: Fp8Config | None = None):
+        # Linear leaves the float weight on the meta device; initialize_dummy makes it for real
+        self.float_weight_later, self.config = float_weight_later, config
         self.paths: dict[int, str] | None = None       # bucket -> path; None: the CPU reference
         self.float_dtype = torch.bfloat16               # the float weight's, kept for "bf16" buckets
         layer.register_buffer("weight_fp8", None)
@@ -63,11 +87,20 @@ class Fp8Linear:
         self.float_dtype = w.dtype
         layer.weight_fp8, layer.weight_scale_inv = quantize_fp8_block(w)
         if w.is_cuda:
-            self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv, fed=layer.fp8_producer)
+            self.paths = dispatch_table(w, layer.weight_fp8, layer.weight_scale_inv, fed=layer.fp8_producer,
+                                        allow_bf16=self.config is None or self.config.keep_float)
         if self.paths is None or "bf16" not in self.paths.values():
             layer.weight = None                           # only the FP8 weight is ever read: free the bf16 one
 
     def initialize_dummy(self, layer, generator: torch.Generator, std: float) -> None:
+        """normal(0, std) float weights quantized at once. A meta weight (float_weight_later) is made
+        here, on the generator's device: one layer's float weight at a time exists, then goes
+        (unless the dispatch keeps it for a bf16 bucket)."""
+        w = layer.weight
+        if w.is_meta:
+            layer.weight = set_weight_loader(
+                nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=generator.device), requires_grad=False),
+                w.weight_loader, w.shard_ids)
         layer.weight.normal_(0.0, std, generator=generator)
         self.finish_loading(layer)
 

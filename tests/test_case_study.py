@@ -1,0 +1,78 @@
+"""benchmarks/case_study_70b.py (issue 21) end to end on the CPU: `round --round 0 --smoke` runs the
+whole pipeline (one engine for ridge bench latency + ridge roofline, then ridge serve + ridge bench
+serve) on a bundled demo model at tiny lengths and writes summary.json with every figure, its
+target and the roofline's prediction beside the measurement; `story` fills the doc's figures table
+from it and leaves the rounds without a summary as not yet measured."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "case_study_70b.py")
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=timeout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def round0(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cs") / "case-study-70b" / "round-0"
+    run("round", "--round", "0", "--smoke", "--out", str(out))
+    return out
+
+
+def test_smoke_round_writes_every_figure_with_its_prediction(round0):
+    for name in ("summary.json", "report.md", "report.json", "roofline.png", "latency_b1.json", "latency_b4.json",
+                 "serve_sweep.json"):
+        assert (round0 / name).is_file(), name
+    s = json.loads((round0 / "summary.json").read_text())
+    assert s["round"] == 0 and s["smoke"] and s["measure_rc"] == 0
+    assert s["flags"][:2] == ["--quantization", "fp8"]
+    figs = {f["name"]: f for f in s["figures"]}
+    assert set(figs) == {"ttft_b1_ms", "itl_b1_ms", "step_b64_ms", "decode_b64_tok_s", "goodput_tok_s"}
+    for name in ("ttft_b1_ms", "itl_b1_ms", "step_b64_ms", "decode_b64_tok_s"):
+        f = figs[name]
+        assert isinstance(f["measured"], float) and f["measured"] > 0, f
+        assert isinstance(f["predicted"], float) and f["predicted"] > 0, f
+        assert f["prediction_gap"] == pytest.approx((f["measured"] - f["predicted"]) / f["measured"])
+        assert f["prediction_flag"] in ("within 15%", "off by more than 15%: explain")
+    for name, target in (("ttft_b1_ms", 300.0), ("itl_b1_ms", 12.0), ("goodput_tok_s", 2500.0)):
+        f = figs[name]
+        assert f["target"] == target
+        assert f["met"] is None if f["measured"] is None else f["met"] == (
+            f["measured"] <= target if f["comparison"] == "<=" else f["measured"] >= target)
+    sweep = json.loads((round0 / "serve_sweep.json").read_text())
+    probes = [p for p in sweep["probes"] if "skipped" not in p]
+    assert probes and all(p.get("error") is None for p in probes), sweep
+    for p in probes:             # each probe is a ridge bench serve run of its own, p99s from its JSON
+        r = json.loads((round0 / f"serve_rate{p['rate']:g}.json").read_text())["summary"]
+        assert p["ttft_p99_s"] == r["ttft_s"]["p99"] and p["goodput_tok_s"] == r["goodput_output_throughput"]
+    assert (figs["goodput_tok_s"]["measured"] is None) == (sweep["chosen_rate"] is None)
+    assert s["roofline_first_target"] and all(v.startswith("attack") for v in s["roofline_first_target"].values())
+
+
+def test_story_fills_the_table_from_the_summaries(round0):
+    rounds = round0.parent
+    doc = rounds.parent / "case-study-70b.md"
+    run("story", "--rounds", str(rounds))
+    text = doc.read_text()
+    assert "<!-- figures:begin" in text and "## Round 3" in text and (rounds / "rounds.png").is_file()
+    row = next(line for line in text.splitlines() if line.startswith("| TTFT, batch 1"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    measured = json.loads((round0 / "summary.json").read_text())["figures"][0]["measured"]
+    assert cells[1] == "<= 300" and cells[2].startswith(f"{measured:,.4g}")
+    assert cells[3:] == ["not yet measured"] * 3
+    # the prose around the table is kept when the table is written again
+    doc.write_text(text.replace("(not yet written)", "the lead's prose", 1))
+    run("story", "--rounds", str(rounds))
+    assert "the lead's prose" in doc.read_text() and doc.read_text().count("<!-- figures:begin") == 1
