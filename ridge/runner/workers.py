@@ -83,6 +83,9 @@ class WorkerPool:
         self._leaving = threading.Lock()                 # the watcher's abort and the engine's leave, one at a time
         self._died = threading.Event()
         self._waiting_since: float | None = None        # rank 0 blocked on the device since (host_tokens)
+        # (an event recorded after rank 0 queued its last step, when): on a GPU, the step's device work
+        self._in_flight: tuple | None = None
+        self._cuda = cfg.device.type == "cuda"
         self.procs, self.pipes, self.pids, self.ring, self.tp = [], [], [], None, None
         try:
             if cfg.distributed_executor_backend == "external_launcher":
@@ -152,13 +155,15 @@ class WorkerPool:
         return f"tensor-parallel rank {rank} (pid {p.pid}) {how}" + (f": {error}" if error else "")
 
     def _watch(self) -> None:
-        """Wait for a worker to die, or for rank 0 to wait on its device longer than the timeout
-        (under NCCL a hung rank stalls the GPU, not a host call that could time out)."""
+        """Wait for a worker to die, or for rank 0's step to outlast the timeout: its host inside
+        the step, or its device on the last step queued (under NCCL a hung rank stalls the GPU,
+        not a host call that could time out)."""
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs, 1)}
         while not self.closed:
             ready = wait(list(sentinels), timeout=POLL_S)
-            since = self._waiting_since
-            if ready or (since is not None and time.monotonic() - since > self.timeout):
+            since, flight, now = self._waiting_since, self._in_flight, time.monotonic()
+            if ready or (since is not None and now - since > self.timeout) or (
+                    flight is not None and now - flight[1] > self.timeout and not flight[0].query()):
                 break
         if self.closed:
             return
@@ -204,7 +209,12 @@ class WorkerPool:
         try:
             self._publish(message)
             with self.device_wait():     # a hung peer can stall the host too (launch queue full)
-                return run()
+                out = run()
+            if self._cuda:               # or the device only, while the host blocks elsewhere (sampling)
+                done = torch.cuda.Event()
+                done.record()
+                self._in_flight = (done, time.monotonic())
+            return out
         except Exception as e:
             if not isinstance(e, RankFailure):
                 self._died.wait(CAUSE_WAIT_S)
