@@ -169,6 +169,33 @@ def test_a_device_wait_past_the_timeout_fails_the_engine(checkpoints):
     assert_released(llm)
 
 
+def test_device_work_past_the_timeout_fails_the_engine(checkpoints):
+    """On a GPU the watcher also times rank 0's device: an event recorded after each step is
+    queued (the host may block outside the step, in sampling's readback). Work done long ago is
+    no hang; work still running past the timeout is. Here the event is a stand-in that reports
+    done or not."""
+    class Event:
+        def __init__(self, done: bool):
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+    llm = LLM(checkpoints("llama"), **TP2, distributed_timeout_seconds=1)
+    pool = llm.engine.runner.workers
+    llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
+    told = threading.Event()
+    llm.on_failure(lambda message: told.set())
+    pool._in_flight = (Event(done=True), time.monotonic() - 60)
+    assert not told.wait(3) and pool.failure is None
+    pool._in_flight = (Event(done=False), time.monotonic())
+    assert told.wait(10)
+    assert "did not finish within distributed_timeout_seconds (1 s)" in pool.failure
+    with pytest.raises(RankFailure, match="did not finish"):
+        llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_released(llm)
+
+
 def test_a_dropped_llm_stops_its_workers(checkpoints):
     """The finaliser: an LLM that is dropped without close() stops its workers."""
     llm = LLM(checkpoints("llama"), **TP2)
@@ -208,6 +235,16 @@ def test_rank_shares():
     assert [TensorParallel(r, 3).padded_split(10) for r in range(3)] == [(0, 4, 4), (4, 4, 4), (8, 2, 4)]
     with pytest.raises(ValueError, match="must be a multiple of the KV heads"):
         rank_heads(12, 2, TensorParallel(0, 3))
+
+
+def test_no_collective_starts_once_the_group_is_aborted():
+    """NCCL's abort holds the communicator while it waits for rank 0's CUDA graphs: a collective
+    entered then would wait for ever, so each one refuses first (no group is touched here)."""
+    tp = TensorParallel(0, 2)
+    tp.failed.append("tensor-parallel rank 1 hung")
+    for collective in (tp.all_reduce, tp.all_gather, tp.broadcast):
+        with pytest.raises(RankFailure, match="rank 1 hung"):
+            collective(torch.ones(2, 3))
 
 
 def test_single_process_tools_refuse_tensor_parallel(checkpoints, tmp_path, capsys):
