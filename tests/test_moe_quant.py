@@ -171,6 +171,8 @@ def test_int4_moe_models_match_their_rtn_dequantized_twin(tmp_path, name):
                 "model.layers.1.mlp.shared_expert.down_proj"} <= int4
         assert "model.layers.1.self_attn.kv_b_proj" in floats
     from ridge.layers.cost import StepShape
+    from ridge.roofline.api import model_weights
+    assert model_weights(net) == model_weights(ref.engine.runner.model)      # the experts counted, not their codes
     float_moe = next(m for m in ref.engine.runner.model.modules() if isinstance(m, FusedMoE))
     step = StepShape((1,), (1,))
     assert moe.cost(step)[1].param_bytes == pytest.approx(float_moe.cost(step)[1].param_bytes * (0.5 + 8 / 128) / 4)

@@ -172,6 +172,10 @@ class FusedMoE(nn.Module):
             return None
         return torch.bincount(r.reshape(-1).long().cpu(), minlength=self.num_experts).tolist()
 
+    def num_weights(self) -> int:
+        """The experts' weights (this rank's share), however they are stored."""
+        return self.num_experts * 3 * self.expert_size * self.hidden_size
+
     def weight_bytes(self) -> float:
         """Bytes an expert weight: 1 in FP8 plus its block's fp32 scale shared by 128 x 128 weights;
         0.5 in INT4 plus its group's scale and zero point (the model's dtype) shared by 128; else
