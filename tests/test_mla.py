@@ -97,7 +97,7 @@ def test_deepseek_errors_are_clear(checkpoints, tmp_path):
     src = checkpoints("deepseekv3")
     with pytest.raises(ValueError, match="latent attention"):
         LLM(src, device="cpu", show_progress=False, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+    with pytest.raises(ValueError, match="int4.*does not divide"):      # the test model's 64-wide projections
         LLM(src, device="cpu", show_progress=False, quantization="int4")
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)

@@ -108,6 +108,56 @@ def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
         fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 256, 4, 1),) * 2)
 
 
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["uniform", "hot", "one"])
+@pytest.mark.parametrize("T,k", [(3, 2), (24, 2)])
+def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
+    """INT4 experts (codes packed along K, a scale and zero point per 128 inputs): K of gate/up 160
+    (a short last group), I = 72 (down's K one short group; 2I = 144 ragged against the 32-row tiles);
+    uniform load, one expert taking every token, experts with none."""
+    from ridge.kernels.moe_gemm import Int4Experts, dequantize_experts
+    from ridge.layers.moe import quantize_experts_int4
+    g = torch.Generator().manual_seed(5 + T)
+    E, H, inter = 8, 160, 72
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = quantize_experts_int4((torch.randn(E, 2 * inter, H, generator=g) * 0.2).to(dtype))
+    w2 = quantize_experts_int4((torch.randn(E, H, inter, generator=g) * 0.2).to(dtype))
+    assert isinstance(w13, Int4Experts) and w13.q.shape == (E, 2 * inter, H // 8) and w13.scale.shape == (E, 144, 2)
+    assert w13.shape == (E, 2 * inter, H) and w2.zero.dtype == dtype
+    experts, weights = _loads(T, E, k, kind, g), torch.rand(T, k, generator=g)
+    ref = fused_moe_ref(x, w13, w2, weights, experts).float()
+    # the reference is the dequantized experts' float MoE
+    assert torch.equal(ref, fused_moe_ref(x, dequantize_experts(w13), dequantize_experts(w2), weights, experts).float())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 32, 4, 1),) * 2)
+    torch.testing.assert_close(small.float(), ref, **tol)
+    for bm, fuse_sum in ((16, True), (32, False)):
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, 32, 4, 1),) * 2, fuse_sum)
+        torch.testing.assert_close(grouped.float(), ref, **tol)
+    with pytest.raises(ValueError, match="Int4Experts need tiles whose K width divides 128"):
+        fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 32, 256, 4, 1),) * 2)
+
+
+def test_int4_experts_quantize_as_the_dense_layers_do():
+    """Each expert's codes, scales and zero points are the dense INT4 grid's (formats.quantize_rtn, group
+    128); a short last group quantizes as if padded with zeros; K not a multiple of 8 is refused."""
+    from ridge.kernels.moe_gemm import dequantize_experts
+    from ridge.layers.quant.formats import dequantize, quantize_rtn
+    from ridge.layers.moe import quantize_experts_int4
+    w = torch.randn(3, 16, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = dequantize_experts(quantize_experts_int4(w))
+    for e in range(3):
+        q, s, z = quantize_rtn(w[e], 128, scale_dtype=torch.bfloat16)
+        assert torch.equal(got[e], dequantize(q, s, z, 128).to(torch.bfloat16))
+    short = dequantize_experts(quantize_experts_int4(w[:, :, :200]))
+    padded = dequantize_experts(quantize_experts_int4(torch.nn.functional.pad(w[:, :, :200], (0, 56))))
+    assert torch.equal(short, padded[:, :, :200])
+    assert (short.float() - w[:, :, :200].float()).abs().max() < 0.3          # half a step of a ~7-sigma range / 15
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        quantize_experts_int4(w[:, :, :100])
+
+
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseekv3"])
 def test_fp8_quantization_of_moe_models(checkpoints, name):
     """--quantization fp8 on an MoE model: the experts are held in e4m3 (their float copies freed),
@@ -199,8 +249,14 @@ def test_moe_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         LLM(str(bad), device="cpu", show_progress=False)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(src, device="cpu", show_progress=False, quantization="int4")
+    with pytest.raises(ValueError, match=r"int4.*group size 128.*does not divide the layer's 64 inputs"):
+        LLM(src, device="cpu", show_progress=False, quantization="int4")      # the dense projections' groups
+    from ridge.layers.quant.formats import compressed_tensors_config
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2,
+                                                 "quantization_config": compressed_tensors_config(128, False)}))
+    with pytest.raises(ValueError, match="compressed-tensors.*checkpoints of mixture-of-experts models"):
+        LLM(str(bad), device="cpu", show_progress=False)
     from ridge.quantize import quantize
     for method in ("rtn", "fp8"):
         with pytest.raises(ValueError, match="mixture-of-experts"):

@@ -55,6 +55,33 @@ def test_fp8_expert_kernels_at_model_shapes(E, k, H, inter):
             assert rel < 1e-2, (T, rel)
 
 
+@pytest.mark.parametrize("E,k,H,inter", [(64, 6, 2048, 1408), (128, 8, 2048, 768)], ids=["deepseek-v2-lite", "qwen3"])
+def test_int4_expert_kernels_at_model_shapes(E, k, H, inter):
+    """INT4 experts (group 128, RTN at load) against the reference on the dequantized weights, every
+    small-batch and grouped tile the plan may pick; one token batch with an expert in every token."""
+    from ridge.layers.moe import quantize_experts_int4
+    from ridge.layers.moe_tuning import GROUPED_CANDIDATES, SMALL_CANDIDATES
+    from ridge.kernels.moe_gemm import small_down_block_k, tiles_fit
+    g = torch.Generator(device="cuda").manual_seed(E + 2)
+    w13 = quantize_experts_int4((torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02).bfloat16())
+    w2 = quantize_experts_int4((torch.randn(E, H, inter, device="cuda", generator=g) * 0.02).bfloat16())
+    for T in (1, 8, 64, 300):
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        weights, experts = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
+        experts = experts.int()
+        if T == 64:
+            experts[:, 0] = 0                                   # one expert takes every token
+        ref = fused_moe_ref(x, w13, w2, weights, experts).float()
+        outs = [fused_moe_grouped(x, w13, w2, weights, experts, (c, c), fuse_sum=f)
+                for c in GROUPED_CANDIDATES if tiles_fit(w13, c.block_k) for f in (True, False)]
+        if T <= 16:
+            outs += [fused_moe_small(x, w13, w2, weights, experts, (c, c)) for c in SMALL_CANDIDATES
+                     if tiles_fit(w13, c.block_k, small_down_block_k(c, k))]
+        for out in outs:
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, (T, rel)
+
+
 @pytest.mark.parametrize("tiles", [GroupedTiles(64, 64, 64, 4, 3), GroupedTiles(16, 128, 64, 4, 4)])
 def test_grouped_top_k_sum_is_batch_invariant(tiles):
     """The down GEMM's fused top-k sum (whichever program arrives last sums in slot order): a

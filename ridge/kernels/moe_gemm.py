@@ -40,6 +40,9 @@ Two paths, chosen by the number of tokens (`SMALL_MAX_TOKENS`):
     the scratch outgrows L2: a torch sum after the kernel (`fuse_sum=False`, the same bytes in one
     streaming pass) is then faster, so the plan (ridge/layers/moe_tuning.py) measures both.
 
+Quantized experts (ridge/kernels/moe_quant.py: FP8 blocks, INT4 groups) are read through one
+'load a dequantized weight tile' entry, the format a constexpr: the same kernels, weight-only.
+
 Rounding follows the reference's points in the activation dtype (the GEMM outputs, silu, the
 product, each expert's output, the routed product); accumulation is fp32.
 """
@@ -52,6 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
+                                     expert_tables, load_weight_tile, tiles_fit)
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
@@ -83,37 +88,6 @@ class GroupedTiles(NamedTuple):
 
 DEFAULT_SMALL = SmallTiles(16, 128, 4, 3)
 DEFAULT_GROUPED = GroupedTiles(64, 64, 64, 4, 3)
-FP8_BLOCK = 128
-
-
-class Fp8Experts(NamedTuple):
-    """Experts' weights kept in FP8 (weight-only: the activations stay in `dtype`): e4m3 values q
-    [E, N, K] and fp32 scales [E, ceil(N / 128), ceil(K / 128)], one per 128 x 128 block of each
-    expert (the HF fp8 checkpoints' weight_scale_inv). The kernels read 1 byte a weight - half the
-    bf16 stream the memory-bound decode path is made of - and dequantize each tile in registers to
-    `dtype` before the FMA or tensor-core dot, so they take any tile whose K width divides 128."""
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    shape = property(lambda self: self.q.shape)
-    device = property(lambda self: self.q.device)
-
-
-def _weight(w) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(values, scales, FP8): a float expert weight's scales are a placeholder, never read."""
-    return (w.q, w.scale, True) if isinstance(w, Fp8Experts) else (w, w, False)
-
-
-def dequantize_experts(w) -> torch.Tensor:
-    """The float weights a Fp8Experts stands for (each block times its scale, in its dtype)."""
-    if not isinstance(w, Fp8Experts):
-        return w
-    E, N, K = w.q.shape
-    s = w.scale.repeat_interleave(FP8_BLOCK, 1)[:, :N].repeat_interleave(FP8_BLOCK, 2)[:, :, :K]
-    return (w.q.float() * s).to(w.dtype)
-
-
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   experts: torch.Tensor) -> torch.Tensor:
     """x [T, H], routing weights/experts [T, top_k] -> [T, H]: per expert, its rows' gated MLP
@@ -149,30 +123,19 @@ def _dot(a, b, acc, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def _dequantized(w, S, rows, k, mask, stride_sn, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr, FP8: tl.constexpr):
-    """An FP8 weight tile (w [..., rows, BLOCK_K] or [BLOCK_K, rows] with rows/mask shaped to
-    broadcast against it; S: this expert's scales) times its block scales, rounded to DTYPE as
-    dequantize_experts does; a float tile as it is. The tile's K range lies in one scale block."""
-    if FP8:
-        s = tl.load(S + (rows // 128) * stride_sn + k // 128, mask=mask, other=0.0)
-        w = round_to(w.to(tl.float32) * s, DTYPE, EMULATE_RNE)
-    return w
-
-
-@triton.jit
-def _small_gate_up_kernel(X, W, WS, Experts, Out, inter, K: tl.constexpr, TOP_K: tl.constexpr, stride_xt, stride_we,
+def _small_gate_up_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexpr, TOP_K: tl.constexpr, stride_xt, stride_we,
                           stride_wn, stride_se, stride_sn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
-                          FP8: tl.constexpr):
+                          FMT: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < inter
     pdl_wait(PDL)       # the experts are the router's, x the norm's
     e = tl.load(Experts + pair).to(tl.int64)
-    w_gate = W + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_gate = W + e * stride_we + offs_n[:, None] * stride_wn
     w_up = w_gate + inter * stride_wn
-    s_e = WS + e * stride_se
+    s_e, z_e = WS + e * stride_se, WZ + e * stride_se
     x_row = X + (pair // TOP_K) * stride_xt + offs_k
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -182,11 +145,10 @@ def _small_gate_up_kernel(X, W, WS, Experts, Out, inter, K: tl.constexpr, TOP_K:
         k_mask = offs_k < K - k
         x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         m = n_mask[:, None] & k_mask[None, :]
-        wg = tl.load(w_gate + k, mask=m, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(w_up + k, mask=m, other=0.0, eviction_policy="evict_first")
-        wg = _dequantized(wg, s_e, offs_n[:, None], k, n_mask[:, None], stride_sn, X.dtype.element_ty, EMULATE_RNE, FP8)
-        wu = _dequantized(wu, s_e, offs_n[:, None] + inter, k, n_mask[:, None], stride_sn, X.dtype.element_ty,
-                          EMULATE_RNE, FP8)
+        wg = load_weight_tile(w_gate, s_e, z_e, offs_n[:, None], offs_k[None, :], k, m, n_mask[:, None], stride_sn,
+                              X.dtype.element_ty, EMULATE_RNE, FMT, "evict_first")
+        wu = load_weight_tile(w_up, s_e, z_e, offs_n[:, None] + inter, offs_k[None, :], k, m, n_mask[:, None],
+                              stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "evict_first")
         acc_g += wg.to(tl.float32) * x
         acc_u += wu.to(tl.float32) * x
     y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
@@ -194,10 +156,10 @@ def _small_gate_up_kernel(X, W, WS, Experts, Out, inter, K: tl.constexpr, TOP_K:
 
 
 @triton.jit
-def _small_down_kernel(Hid, W, WS, Experts, RouteW, Out, N, K: tl.constexpr, TOP_K: tl.constexpr, stride_hp, stride_we,
+def _small_down_kernel(Hid, W, WS, WZ, Experts, RouteW, Out, N, K: tl.constexpr, TOP_K: tl.constexpr, stride_hp, stride_we,
                        stride_wn, stride_se, stride_sn, stride_ot, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
-                       FP8: tl.constexpr):
+                       FMT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -208,17 +170,17 @@ def _small_down_kernel(Hid, W, WS, Experts, RouteW, Out, N, K: tl.constexpr, TOP
     e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
     # all top_k experts' tiles in one [TOP_K, BLOCK_N, BLOCK_K] load: top_k times the bytes in
     # flight per program that one expert at a time would have (H / BLOCK_N programs are few)
-    w_tile = W + e[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn + offs_k[None, None, :]
+    w_rows = W + e[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn
+    row_mask = j_mask[:, None, None] & n_mask[None, :, None]
     h_rows = Hid + (t * TOP_K + js)[:, None] * stride_hp + offs_k[None, :]
     acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k
         h = tl.load(h_rows + k, mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        m = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
-        w = tl.load(w_tile + k, mask=m, other=0.0, eviction_policy="evict_first")
-        w = _dequantized(w, WS + e[:, None, None] * stride_se, offs_n[None, :, None], k,
-                         j_mask[:, None, None] & n_mask[None, :, None], stride_sn, Hid.dtype.element_ty, EMULATE_RNE,
-                         FP8)
+        m = row_mask & k_mask[None, None, :]
+        w = load_weight_tile(w_rows, WS + e[:, None, None] * stride_se, WZ + e[:, None, None] * stride_se,
+                             offs_n[None, :, None], offs_k[None, None, :], k, m, row_mask, stride_sn,
+                             Hid.dtype.element_ty, EMULATE_RNE, FMT, "evict_first")
         acc += w.to(tl.float32) * h[:, None, :]
     y = round_to(tl.sum(acc, axis=2), Out.dtype.element_ty, EMULATE_RNE).to(tl.float32)
     r = round_to(tl.load(RouteW + t * TOP_K + js, mask=j_mask, other=0.0), Out.dtype.element_ty, EMULATE_RNE)
@@ -228,11 +190,11 @@ def _small_down_kernel(Hid, W, WS, Experts, RouteW, Out, N, K: tl.constexpr, TOP
 
 
 @triton.jit
-def _grouped_kernel(X, W, WS, Out, PairOrder, BlockExpert, RouteW, Scratch, Arrived, num_pairs, N, K, x_rows_per_pair,
+def _grouped_kernel(X, W, WS, WZ, Out, PairOrder, BlockExpert, RouteW, Scratch, Arrived, num_pairs, N, K, x_rows_per_pair,
                     num_blocks, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     GATED: tl.constexpr, TOP_K: tl.constexpr, FUSE_SUM: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                    PDL: tl.constexpr, FP8: tl.constexpr):
+                    PDL: tl.constexpr, FMT: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_wait(PDL)       # the layout is the alignment kernel's, x the previous layer's
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
@@ -243,20 +205,20 @@ def _grouped_kernel(X, W, WS, Out, PairOrder, BlockExpert, RouteW, Scratch, Arri
         offs_k = tl.arange(0, BLOCK_K)
         n_mask = offs_n < N
         x_ptrs = X + (pair // x_rows_per_pair)[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        w_rows = W + e * stride_we + offs_n[None, :] * stride_wn
+        s_e, z_e = WS + e * stride_se, WZ + e * stride_se
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k
             a = tl.load(x_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            w = _dequantized(w, WS + e * stride_se, offs_n[None, :], k, n_mask[None, :], stride_sn,
-                             X.dtype.element_ty, EMULATE_RNE, FP8)
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w = load_weight_tile(w_rows, s_e, z_e, offs_n[None, :], offs_k[:, None], k, w_mask, n_mask[None, :],
+                                 stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "")
             acc = _dot(a, w, acc, EMULATE_RNE)
             if GATED:
-                w_up = tl.load(w_ptrs + N * stride_wn + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                w_up = _dequantized(w_up, WS + e * stride_se, offs_n[None, :] + N, k, n_mask[None, :], stride_sn,
-                                    X.dtype.element_ty, EMULATE_RNE, FP8)
+                w_up = load_weight_tile(w_rows + N * stride_wn, s_e, z_e, offs_n[None, :] + N, offs_k[:, None], k,
+                                        w_mask, n_mask[None, :], stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "")
                 acc_u = _dot(a, w_up, acc_u, EMULATE_RNE)
         mask = valid[:, None] & n_mask[None, :]
         if TOP_K > 0:
@@ -296,7 +258,7 @@ def _check(x, w13, w2, weights, experts):
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: routing weights {tuple(weights.shape)} and experts {tuple(experts.shape)} "
                          f"must both be [T={x.shape[0]}, top_k]")
-    for name, t in (("x", x), ("w13", _weight(w13)[0]), ("w2", _weight(w2)[0])):
+    for name, t in (("x", x), ("w13", expert_tables(w13)[0]), ("w2", expert_tables(w2)[0])):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_moe: {name} must be contiguous along its last dim")
 
@@ -314,32 +276,22 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     gu, dn = tiles
     experts, weights = experts.contiguous(), weights.contiguous()
     block_tk, dn_k = triton.next_power_of_2(top_k), small_down_block_k(dn, top_k)
-    (w13, s13, fp8), (w2, s2, _) = _weight(w13), _weight(w2)
-    _check_fp8_tiles(fp8, gu.block_k, dn_k)
+    check_tiles(w13, gu.block_k, dn_k)
+    (w13, s13, z13, fmt), (w2, s2, z2, _) = expert_tables(w13), expert_tables(w2)
     _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
-        x, w13, s13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        x, w13, s13, z13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), hidden.stride(0), BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, NUM_STAGES=gu.num_stages,
-        EMULATE_RNE=rne, PDL=pdl, FP8=fp8, num_warps=gu.num_warps, **launch_options(pdl))
+        EMULATE_RNE=rne, PDL=pdl, FMT=fmt, num_warps=gu.num_warps, **launch_options(pdl))
     _small_down_kernel[(T, triton.cdiv(H, dn.block_n))](
-        hidden, w2, s2, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.stride(0), w2.stride(1),
+        hidden, w2, s2, z2, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), out.stride(0), BLOCK_TK=block_tk, BLOCK_N=dn.block_n, BLOCK_K=dn_k,
-        NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl, FP8=fp8, num_warps=dn.num_warps, **launch_options(pdl))
+        NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl, FMT=fmt, num_warps=dn.num_warps, **launch_options(pdl))
     return out
 
 
 def small_down_block_k(tiles: SmallTiles, top_k: int) -> int:
     """The small down kernel's K tile: it loads all top_k experts' tiles at once, so they share block_k."""
     return max(16, tiles.block_k // triton.next_power_of_2(top_k))
-
-
-def fp8_tiles_fit(*block_ks: int) -> bool:
-    """Whether FP8 experts can take K tiles this wide: each must lie within one 128-wide scale block."""
-    return all(FP8_BLOCK % k == 0 for k in block_ks)
-
-
-def _check_fp8_tiles(fp8: bool, *block_ks: int) -> None:
-    if fp8 and not fp8_tiles_fit(*block_ks):
-        raise ValueError(f"fused_moe: FP8 experts need tiles whose K width divides {FP8_BLOCK}, got {block_ks}")
 
 
 def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: GroupedTiles, gated: bool = False,
@@ -350,9 +302,9 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
     [T, top_k] (x one row per pair), each row times its weight and summed over the token's
     top_k -> [T, N], in the kernel (fuse_sum) or by a torch sum after it."""
     pair_order, block_expert, _ = layout
-    w, ws, fp8 = _weight(w)
-    _check_fp8_tiles(fp8, tiles.block_k)
-    n = w.shape[1] // 2 if gated else w.shape[1]
+    check_tiles(w, tiles.block_k)
+    n, K = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
+    w, ws, wz, fmt = expert_tables(w)
     nb = block_expert.numel()
     n_tiles = triton.cdiv(n, tiles.block_n)
     top_k = 0 if route_weights is None else route_weights.shape[1]
@@ -367,10 +319,10 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
         scratch = arrived = route_weights = out
     pdl = use_pdl(x)
     _grouped_kernel[(nb * n_tiles,)](
-        x, w, ws, out, pair_order, block_expert, route_weights, scratch, arrived, num_pairs, n, w.shape[2],
+        x, w, ws, wz, out, pair_order, block_expert, route_weights, scratch, arrived, num_pairs, n, K,
         x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated, TOP_K=top_k,
-        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FP8=fp8, num_warps=tiles.num_warps,
+        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FMT=fmt, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_options(pdl))
     if top_k and not fuse_sum:
         return scratch.view(-1, top_k, n).sum(dim=1)

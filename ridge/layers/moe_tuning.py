@@ -22,9 +22,9 @@ import os
 
 import torch
 
-from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, Fp8Experts, GroupedTiles, SmallTiles,
-                                    fp8_tiles_fit, fused_moe_grouped, fused_moe_small, grouped_gemm,
-                                    small_down_block_k)
+from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, GroupedTiles, SmallTiles, fused_moe_grouped,
+                                    fused_moe_small, grouped_gemm, small_down_block_k)
+from ridge.kernels.moe_quant import format_name, tiles_fit
 from ridge.kernels.moe_route import align_by_expert
 from ridge.utils.device_cache import cache_root, cached, device_key
 from ridge.utils.graph_timing import graph_time_us
@@ -92,9 +92,9 @@ def measure(w13, w2, top_k: int) -> dict:
     gen = torch.Generator(device=w13.device).manual_seed(E * 31 + H)
     _raise_clocks(w13.device)
     table = {}
-    fp8 = isinstance(w13, Fp8Experts)            # only tiles whose K widths fit the scale blocks
-    small_gu = [c for c in SMALL_CANDIDATES if not fp8 or fp8_tiles_fit(c.block_k)]
-    small_dn = [c for c in SMALL_CANDIDATES if not fp8 or fp8_tiles_fit(small_down_block_k(c, top_k))]
+    # quantized experts: only tiles whose K widths fit the scale blocks or groups
+    small_gu = [c for c in SMALL_CANDIDATES if tiles_fit(w13, c.block_k)]
+    small_dn = [c for c in SMALL_CANDIDATES if tiles_fit(w2, small_down_block_k(c, top_k))]
     for T in BUCKETS:
         x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
         experts = torch.rand(T, E, generator=gen, device=w13.device).topk(top_k, dim=-1).indices.to(torch.int32)
@@ -109,7 +109,7 @@ def measure(w13, w2, top_k: int) -> dict:
                   for c in small_dn}
             timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
         for bm in sorted({c.block_m for c in GROUPED_CANDIDATES}):
-            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and (not fp8 or fp8_tiles_fit(c.block_k))]
+            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and tiles_fit(w13, c.block_k)]
             layout = align_by_expert(experts, E, bm)
             gu = {c: _us(lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)) for c in cands}
             dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
@@ -126,10 +126,10 @@ def measure(w13, w2, top_k: int) -> dict:
 
 
 def moe_plan(w13, w2, top_k: int) -> MoePlan:
-    """The plan for this expert shape (float weights or Fp8Experts) on its GPU, from the per-device
-    cache or measured now."""
+    """The plan for this expert shape (float weights, Fp8Experts or Int4Experts: each format its own
+    key) on its GPU, from the per-device cache or measured now."""
     E, two_i, H = w13.shape
-    dtype = str(w13.dtype).removeprefix("torch.") + ("-fp8" if isinstance(w13, Fp8Experts) else "")
+    dtype = str(w13.dtype).removeprefix("torch.") + format_name(w13)
     name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}.json"
     table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
     return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},

@@ -15,8 +15,10 @@ Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the m
 the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
 format's tensors. An FP8 checkpoint (HF fp8 blocks or compressed-tensors float-quantized,
 ridge/layers/quant/fp8.py) loads dequantized to the model's dtype: each weight once its scales are
-in. Once every tensor is in, each module with a `finish_loading()` hook runs it (INT4 act-order:
-the input permutation needs all of a layer's tensors).
+in; a mixture-of-experts layer's experts in 128 x 128 blocks (DeepSeek-V3's) stay as stored, e4m3 with
+their scales, for the weight-only FP8 expert kernels (ridge/layers/moe.py). Once every tensor is in,
+each module with a `finish_loading()` hook runs it (INT4 act-order: the input permutation needs all
+of a layer's tensors).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from tqdm.auto import tqdm
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.norm import RMSNorm
-from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, fp8_config_of
+from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, Fp8BlockWeight, fp8_config_of
 from ridge.layers.quant.fp8_linear import Fp8Config, keeps_float_copies
 from ridge.layers.quant.int4 import select_quantization
 from ridge.models.registry import model_class
@@ -83,10 +85,11 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
     if load_format == "dummy" and isinstance(quant, Fp8Config):
         quant = Fp8Config(dummy=True)       # each layer made and quantized at its turn, never the whole float model
-    if cfg.moe is not None and quant is not None and not isinstance(quant, Fp8Config):
-        raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} is not "
-                         f"supported for mixture-of-experts models ({cfg.architecture}): ridge's expert kernels run "
-                         f"float or FP8 weights (quantization 'fp8')")
+    if cfg.moe is not None and quant is not None and not isinstance(quant, Fp8Config) and quant.format != "int4":
+        raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} checkpoints "
+                         f"of mixture-of-experts models ({cfg.architecture}) are not supported: ridge's expert kernels "
+                         f"run float, FP8 or INT4 weights quantized at load from a float checkpoint (quantization "
+                         f"'fp8' or 'int4')")
     cfg = dataclasses.replace(cfg, quant=quant)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
@@ -137,7 +140,8 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                  fp8: Fp8BlockConfig | None = None) -> None:
     """Stream the checkpoint's tensors, each to its parameter's weight_loader (with its shard id
     when it is one part of a merged parameter); every expected tensor must arrive exactly once.
-    fp8: an FP8 block checkpoint, each weight dequantized once its scales are in (BlockFp8Reader)."""
+    fp8: an FP8 block checkpoint, each weight dequantized once its scales are in (BlockFp8Reader), or
+    handed over as its blocks to a parameter that keeps them (`takes_fp8_blocks`: FP8 experts)."""
     params = dict(model.named_parameters())
     reader = BlockFp8Reader(fp8) if fp8 is not None else None
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
@@ -165,9 +169,11 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                             continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)
                         raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                          f"(config and checkpoint disagree)")
+                    value = f.get_tensor(name) if tensor is None else tensor
+                    if isinstance(value, Fp8BlockWeight) and not getattr(params[pname], "takes_fp8_blocks", False):
+                        value = value.dequantize()
                     try:
-                        params[pname].weight_loader(params[pname], f.get_tensor(name) if tensor is None else tensor,
-                                                    shard)
+                        params[pname].weight_loader(params[pname], value, shard)
                     except ValueError as e:
                         raise ValueError(f"model: tensor {name!r} {e}") from None
                     loaded.add((pname, shard))

@@ -10,6 +10,11 @@ The checkpoints lay the rotary dims out in interleaved pairs (x0, x1), (x2, x3),
 rope_interleave): at load the rows that produce q's and k_pe's rotary parts are permuted to the
 half-split layout ridge rotates (pair i -> dims i and i + rope/2). q and k move alike, so q.k is
 unchanged, and one rotary kernel serves every model.
+
+Quantized (`cfg.quant`: INT4 or FP8 at load), every projection but kv_b_proj takes the format:
+kv_b stays in the model's dtype because the absorbed decode reads it split per head, folded into
+the query and the output (ridge/layers/mla.py), not as one GEMM. An INT4 projection's rows are
+permuted in its tables (codes, scales and zero points are per output column of ridge's layout).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
 from ridge.layers.mla import LatentAttention
 from ridge.layers.norm import RMSNorm
+from ridge.layers.quant.int4 import Int4Linear
 from ridge.layers.rotary import RotaryEmbedding
 
 
@@ -65,9 +71,14 @@ class MLAttention(nn.Module):
         q_rows = torch.cat([h * (nope + rope) + head for h in range(self.cfg.num_heads)])
         kv_rows = torch.cat((torch.arange(r), r + perm))
         for proj, rows in ((q, q_rows), (self.kv_a_proj_with_mqa, kv_rows)):
-            for p in (proj.weight, proj.bias):
+            int4 = isinstance(proj.quant_method, Int4Linear)
+            for p in (proj.weight if not int4 else None, proj.bias):
                 if p is not None:
                     p.data.copy_(p.data[rows.to(p.device)])
+            if int4:        # its tables, quantized as they loaded, are [*, N] (qweight is its `weight`)
+                for role in ("qweight", "scales", "zeros"):
+                    t = proj.quant_method.table(proj, role)
+                    t.data.copy_(t.data[:, rows.to(t.device)])
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         m, H = self.mla, self.cfg.num_heads

@@ -50,8 +50,9 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
         raise ValueError("tensor_parallel_size: ridge quantize calibrates the whole model in one process; "
                          f"run it with 1 (got {cfg.tensor_parallel_size})")
     if model_cfg.moe is not None:
-        raise ValueError(f"model: {model_cfg.architecture} is a mixture-of-experts model; ridge quantizes dense "
-                         f"Llama-family checkpoints only (its expert kernels run float weights)")
+        raise ValueError(f"model: {model_cfg.architecture} is a mixture-of-experts model; ridge quantize writes dense "
+                         f"Llama-family checkpoints only (a mixture-of-experts model quantizes at load: quantization "
+                         f"'fp8' or 'int4')")
     check_out_dir(src, out)
     if method == "fp8":
         return _write_fp8(src, out, engine_settings, show_progress)

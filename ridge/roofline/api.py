@@ -21,9 +21,10 @@ DEFAULT_LENGTH = 1024     # default decode context and prefill length, capped by
 
 
 def model_weights(model: torch.nn.Module) -> int:
-    """The parameter count a model card gives: each Linear's weights however they are stored (an
-    INT4 layer's packed words hold eight), every other parameter as stored."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    """The parameter count a model card gives: each Linear's and each MoE layer's experts' weights
+    however they are stored (an INT4 layer's packed words hold eight; quantized experts free their
+    float copies), every other parameter as stored."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) or callable(getattr(m, "num_weights", None))]
     inside = {id(p) for m in linears for p in m.parameters()}
     return sum(m.num_weights() for m in linears) + sum(p.numel() for p in model.parameters() if id(p) not in inside)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -166,18 +167,30 @@ def check_fp8_tensors(name: str, weight: torch.Tensor, scale: torch.Tensor, n: i
     return s
 
 
+class Fp8BlockWeight(NamedTuple):
+    """A checkpoint's FP8 weight as stored: e4m3 values [N, K], its scale grid (check_fp8_tensors'),
+    and the block a scale covers. A parameter that keeps FP8 blocks as they are (`takes_fp8_blocks`:
+    the experts, whose kernels read them) takes it whole; every other one its dequantization."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8_block(self.q, self.scale, self.block)
+
+
 class BlockFp8Reader:
     """Pairs each FP8 `X.weight` with its scale tensor (`X.weight_scale_inv` or `X.weight_scale`,
     per the config) as a checkpoint streams by (either may come first, or in another shard) and
-    hands on `X.weight` dequantized to float32; activation scales (`X.input_scale`) are dropped,
-    every other tensor passes through. ridge reads an FP8 checkpoint this way until its FP8 GEMMs
-    land: the weights take the model's dtype at load, and the model runs as a float one."""
+    hands on `X.weight` as an Fp8BlockWeight, checked (the loader dequantizes it to the model's dtype
+    unless its parameter keeps FP8 blocks); activation scales (`X.input_scale`) are dropped, every
+    other tensor passes through."""
 
     def __init__(self, config: Fp8BlockConfig):
         self.config, self.pending = config, {}
         self.suffix = "." + config.scale_name
 
-    def feed(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    def feed(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor | Fp8BlockWeight] | None:
         if name.endswith(".input_scale"):
             return None
         if name.endswith(self.suffix):
@@ -195,7 +208,7 @@ class BlockFp8Reader:
             raise ValueError(f"{base}: expected float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
         prefix = base[:-len(".weight")]
         grid = check_fp8_tensors(prefix, weight, scale, *weight.shape, self.config)
-        return base, dequantize_fp8_block(weight, grid, self.config.block_for(*weight.shape))
+        return base, Fp8BlockWeight(weight, grid, self.config.block_for(*weight.shape))
 
     def finish(self) -> None:
         """Every FP8 weight found its scales, and every scale its weight."""
