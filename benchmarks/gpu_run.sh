@@ -78,6 +78,14 @@
 #   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
 #                  without them) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
 #                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
+#   tp-scale       benchmarks/tp.py scale on the 70B shape in bf16 (config only, dummy weights) at TP = 4 and 8
+#                  (SCALE_TP overrides, e.g. "2 4"; a size over the GPUs present is skipped): TTFT of a 4,096-token
+#                  prompt, batch-1 ITL and tok/s, batch-64 tok/s, the exposed communication a decode step (graphs
+#                  replayed with and without the collectives), the roofline's prediction at each TP (the link measured
+#                  among N GPUs) and the scaling efficiency (from TP = 2 with SCALE_BASELINE=tp_scale.json of a
+#                  run that had it) -> tp_scale.json -- a 4- or 8-GPU kind (nvidia-h200-x4/x8), one device call
+#   tp-scale-8b    the same on the 8B shape at TP = 1 2 4 8 (up to the GPUs present): efficiency from TP = 1
+#                  -> tp_scale_8b.json -- a 4- or 8-GPU kind, one device call
 #   case-70b       benchmarks/case_study_70b.py round --round $ROUND (default 0) on the Llama-3-70B shape (config only,
 #                  dummy weights; CASE_ARGS passes flags, e.g. --engine-args '...' --rates 2 4 8): ridge bench latency,
 #                  ridge roofline and the ridge serve sweep, bounded by what is left -> case70b_round$ROUND.tar.gz (the
@@ -94,11 +102,7 @@ PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
 BASELINE=${BASELINE:-.baseline/5e4f924}
-<<<<<<< HEAD
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,tp-tests,tp,tp-comm,case-70b
-=======
-KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,moe-int4,tp-tests,tp,tp-comm
->>>>>>> i19q
+KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,moe-int4,tp-tests,tp,tp-comm,tp-scale,tp-scale-8b,case-70b
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
               tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
@@ -303,3 +307,8 @@ part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; python3 benchm
     cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
 part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
     | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"
+# tp-scale: the sizes' engine runs get what is left less 90 s (the ceilings and the links among N, measured at the end)
+part tp-scale 300 600 "python3 benchmarks/tp.py scale --shapes llama3-70b --tp ${SCALE_TP:-4 8} --budget-s \$(( $(left) - 90 )) \
+    --baseline ${SCALE_BASELINE:-} --json $OUT/tp_scale.json 2>&1 | grep -v -i warn | tail -20"
+part tp-scale-8b 300 600 "python3 benchmarks/tp.py scale --shapes llama3-8b --tp ${SCALE_TP:-1 2 4 8} --budget-s \$(( $(left) - 90 )) \
+    --json $OUT/tp_scale_8b.json 2>&1 | grep -v -i warn | tail -20"

@@ -9,6 +9,10 @@
           are and again with every collective replaced by a local no-op of the same shape (the
           same kernels, no communication). The difference is the exposed communication time of a
           step; divided by the layers, a layer's (its two all-reduces); over the step, the share.
+  scale   issue 22's scaling table (benchmarks/tp_scale.py): per TP size TTFT of a 4,096-token prompt,
+          batch-1 ITL and tok/s, batch-64 tok/s, the exposed communication a step (comm), beside each
+          the roofline's prediction at that TP (the link measured among N GPUs), and the scaling
+          efficiency from TP = 1 (8B) or TP = 2 (70B); --budget-s skips a size that would not fit.
   ring    a decode step's plan (ridge/runner/step_message.py's layout, batch B at a context of
           --context tokens) handed to a second process through the shared-memory step ring
           against a gloo broadcast of the same bytes (benchmarks/step_ring.py's round trips).
@@ -16,6 +20,7 @@
     python benchmarks/tp.py decode --shapes llama3-8b llama3-70b --tp 1 2 --batches 1 64 --json tp_decode.json
     python benchmarks/tp.py comm --shape llama3-8b --tp 2 --batches 1 64 --json tp_comm.json
     python benchmarks/tp.py ring --batches 1 256 --json tp_ring.json
+    python benchmarks/tp.py scale --shapes llama3-70b --tp 4 8 --budget-s 520 --json tp_scale.json
 
 NVLink multicast (NCCL's NVLS) stays off: NCCL_NVLS_ENABLE=0 is set for this process and its
 children unless the environment says otherwise.
@@ -39,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
+import tp_scale  # noqa: E402
 
 
 def shape_dir(preset: str) -> str:
@@ -256,7 +262,7 @@ def ring_table(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["decode", "comm", "ring", "decode-one"])
+    ap.add_argument("what", choices=["decode", "comm", "ring", "scale", "decode-one", "scale-one"])
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3-70b"])
     ap.add_argument("--shape", default="llama3-8b", help="comm: the model shape")
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -271,18 +277,29 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--run-timeout", type=int, default=900)
+    ap.add_argument("--ttft-len", type=int, default=4096, help="scale: the TTFT prompt's tokens")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="scale: seconds for all sizes (a size that "
+                    "would not fit in what is left is skipped)")
+    ap.add_argument("--min-run-s", type=float, default=120, help="scale: the least one size is assumed to take")
+    ap.add_argument("--baseline", nargs="*", default=[], help="scale: tp_scale.json files of earlier runs whose "
+                    "smaller TP sizes the efficiency may start from")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.batches = a.batches or ([1, 256] if a.what == "ring" else [1, 64])
     if a.what == "decode-one":
         decode_one(a)
         return 0
-    r = {"decode": decode, "comm": comm, "ring": ring}[a.what](a)
+    if a.what == "scale-one":
+        write_json(a.json, tp_scale.scale_one(a))
+        return 0
+    r = tp_scale.scale(a, shape_dir, weight_bytes, comm, HERE) if a.what == "scale" else \
+        {"decode": decode, "comm": comm, "ring": ring}[a.what](a)
     r["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     r["gpus"] = torch.cuda.device_count()
     if a.json:
         write_json(a.json, r)
-    print({"decode": decode_table, "comm": comm_table, "ring": ring_table}[a.what](r))
+    print(tp_scale.table(r, format_table) if a.what == "scale" else
+          {"decode": decode_table, "comm": comm_table, "ring": ring_table}[a.what](r))
     return 0
 
 

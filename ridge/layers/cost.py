@@ -10,6 +10,15 @@ left out as in FlashAttention's accounting; integer index tensors left out. An o
 whose forward runs it (`module`, relative to the module that returned it); where several name one
 module, the last is its own and the ones before run inside its forward (called from it or fused
 into its kernel): a measured time of the module belongs to them together.
+
+Tensor parallelism: a model built with a TensorParallel of size N states rank 0's share (its
+slices of the weights, heads and KV), plus each collective its forward runs, as an op of kind
+"collective" (emitted only when N > 1): the bytes one rank sends over its link (`link_bytes`) for
+the message, counted as NCCL's ring does (nccl-tests' bus bandwidth is defined so that
+link_bytes / busbw is the time): an all-reduce of M bytes sends 2(N-1)/N x M (reduce-scatter,
+then all-gather), an all-gather of an output of M bytes (N-1)/N x M. Its FLOPs (the adds) and
+HBM bytes are left out, as integer index tensors are: its time is the link's (latency per call
+plus link_bytes / bus bandwidth), so MBU stays each GPU's weights, KV and activations.
 """
 from __future__ import annotations
 
@@ -73,7 +82,7 @@ class StepShape:
 @dataclass(slots=True)
 class OpCost:
     name: str
-    kind: str                 # "gemm", "attention", "elementwise", "embedding" or "sampling"
+    kind: str                 # "gemm", "attention", "elementwise", "embedding", "sampling" or "collective"
     flops: float
     bytes: float              # minimum bytes moved, all operands
     param_bytes: float = 0.0  # of which parameters
@@ -84,6 +93,27 @@ class OpCost:
     # a MoE layer's load in the step, when known: (most pairs on one expert, mean pairs an expert,
     # experts with none); summed ops keep the most imbalanced layer's
     expert_load: tuple[int, float, int] | None = None
+    link_bytes: float = 0.0   # a collective's bytes one rank sends over its link (ring-counted)
+    ranks: int = 1            # a collective's group size
+
+
+def all_reduce_cost(name: str, rows: int, width: int, step: StepShape, ranks: int) -> list[OpCost]:
+    """The sum over `ranks` ranks of a [rows, width] activation (one call); nothing for one rank."""
+    if ranks < 2:
+        return []
+    message = rows * width * step.act.bytes
+    return [OpCost(name, "collective", 0.0, 0.0, compute="link", link_bytes=2 * (ranks - 1) / ranks * message,
+                   ranks=ranks)]
+
+
+def all_gather_cost(name: str, rows: int, width: int, element_bytes: float, ranks: int) -> list[OpCost]:
+    """The ranks' [rows, width] shares side by side into [rows, ranks * width] (one call); nothing
+    for one rank."""
+    if ranks < 2:
+        return []
+    output = rows * width * ranks * element_bytes
+    return [OpCost(name, "collective", 0.0, 0.0, compute="link", link_bytes=(ranks - 1) / ranks * output,
+                   ranks=ranks)]
 
 
 def child(path: str, costs: list[OpCost], name: str | None = None) -> list[OpCost]:

@@ -26,7 +26,8 @@ each shard (`sources`: where they sit in the checkpoint tensor; an even split un
 says otherwise, as attention does for KV heads copied onto several ranks), a row-parallel layer
 this rank's share of the input columns, its partial outputs summed by one all-reduce. Its bias is
 whole on every rank and added by rank 0 alone, inside the same GEMM, so the sum counts it once.
-`in_features` / `out_features` are this rank's, and so is the cost the layer states.
+`in_features` / `out_features` are this rank's, and so is the cost the layer states (a row-parallel
+layer's includes its all-reduce, ridge/layers/cost.py).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from torch import nn
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
 from ridge.parallel import SINGLE, TensorParallel
 from ridge.layers.weights import default_weight_loader, set_weight_loader
-from ridge.layers.cost import FP8_ACT, OpCost, Precision, StepShape, act_quant_cost, gemm_cost, precision_of
+from ridge.layers.cost import (FP8_ACT, OpCost, Precision, StepShape, act_quant_cost, all_reduce_cost, gemm_cost,
+                               precision_of)
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -189,7 +191,8 @@ class Linear(nn.Module):
         """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
         the input activation's ops first (they run inside this forward, or inside the GEMV). An FP8
         GEMM reads FP8_ACT; the quantization pass before it is its own op unless the producer
-        fused it (then the producer writes FP8_ACT instead of the activation dtype)."""
+        fused it (then the producer writes FP8_ACT instead of the activation dtype). Row-parallel:
+        the all-reduce of the partial sums after it."""
         rows = step.num_tokens if rows is None else rows
         fp8_in = step.weights is None and self._method_says("quantizes_input", rows)
         fed = fp8_in and self.fed_fp8(step, rows)
@@ -198,4 +201,6 @@ class Linear(nn.Module):
             ops.append(act_quant_cost(rows, self.in_features, step))
         return ops + [gemm_cost(name, rows, (self.out_features, self.in_features), self.bias,
                                 self.weight_precision(step, rows), step, out_bytes,
-                                in_bytes=FP8_ACT.bytes if fp8_in else None)]
+                                in_bytes=FP8_ACT.bytes if fp8_in else None)] \
+            + (all_reduce_cost(f"{name}.all_reduce", rows, self.out_features, step, self.tp.size)
+               if self.parallel == "row" else [])

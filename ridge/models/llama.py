@@ -19,7 +19,7 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.attention import Attention, AttentionBackend, rank_heads
-from ridge.layers.cost import OpCost, StepShape, child, gemm_cost, precision_of
+from ridge.layers.cost import OpCost, StepShape, all_gather_cost, all_reduce_cost, child, gemm_cost, precision_of
 from ridge.layers.embedding import VocabTable
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
@@ -126,6 +126,8 @@ class LlamaModel(nn.Module):
         w, T = self.embed_tokens.weight, step.num_tokens
         row = w.shape[1] * w.element_size()                 # one table row read and written per token
         out = [OpCost("embed", "embedding", 0, 2 * T * row, T * row, compute=step.act.compute, module="embed_tokens")]
+        # vocab-parallel: each token's row comes from the rank holding it, zeros from the others, summed
+        out += child("embed_tokens", all_reduce_cost("embed.all_reduce", T, w.shape[1], step, self.embed_tokens.tp.size))
         for i, layer in enumerate(self.layers):
             out += child(f"layers.{i}", layer.cost(step, first=i == 0))
         # the final norm's residual output is never read, so it is not written
@@ -184,7 +186,9 @@ class LlamaForCausalLM(nn.Module):
 
     def cost(self, step: StepShape) -> list[OpCost]:
         """Every op of one step, in order: the layers, the LM head over the rows that sample
-        (float32 logits; kept in the model's dtype under a what-if weight format), sampling."""
-        w = self.head.weight
+        (float32 logits; kept in the model's dtype under a what-if weight format; vocab-parallel: this
+        rank's share of the vocabulary, then the all-gather of every rank's logits), sampling."""
+        w, ranks = self.head.weight, self.head.tp.size
         head = [gemm_cost("lm_head", step.sampled_rows, w, None, precision_of(w.dtype), step, out_bytes=4)]
+        head += all_gather_cost("lm_head.all_gather", step.sampled_rows, w.shape[0], w.element_size(), ranks)
         return child("model", self.model.cost(step)) + head + [sampling_cost(step, self.cfg.vocab_size)]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.model_config import ModelConfig
-from ridge.layers.cost import OpCost, StepShape, child
+from ridge.layers.cost import OpCost, StepShape, all_reduce_cost, child
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.moe import FusedMoE
@@ -79,6 +79,9 @@ class SparseMoeBlock(nn.Module):
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("gate", self.gate.cost(step, name="moe_router")) + child("experts", self.experts.cost(step))
+        # the experts' partial sums over their intermediate shares: one all-reduce in FusedMoE.forward
+        out += child("experts", all_reduce_cost("moe_experts.all_reduce", step.num_tokens, self.gate.in_features, step,
+                                                self.experts.tp.size))
         if self.shared_expert is not None:
             T, H, gated = step.num_tokens, self.gate.in_features, self.shared_expert_gate is not None
             mix = OpCost("shared_expert_mix", "elementwise", (4 if gated else 1) * T * H,

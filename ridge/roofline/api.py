@@ -1,4 +1,7 @@
-"""`run_roofline`: measure the ceilings, run real engine steps, diagnose them, predict, report."""
+"""`run_roofline`: measure the ceilings, run real engine steps, diagnose them, predict, report.
+At tensor_parallel_size N > 1 it only predicts (`predict_tensor_parallel`): the measured steps
+time one process's kernels, so a step of N ranks is the cost model's rank share plus its
+collectives at the link's roof, measured among N ranks where this machine has them."""
 from __future__ import annotations
 
 import datetime
@@ -9,7 +12,7 @@ import torch
 from ridge.config import EngineConfig, ModelConfig, model_dir, resolve_device, resolve_dtype
 from ridge.layers.linear import Linear
 from ridge.utils.ceilings import load_ceilings
-from ridge.roofline.costs import PRECISIONS, format_of, parameter_bytes, step_costs
+from ridge.roofline.costs import PRECISIONS, RankShare, format_of, meta_model, parameter_bytes, step_costs
 from ridge.roofline.diagnose import diagnose_step
 from ridge.roofline.measure import build_decode, build_prefill, fill_kv_pool, release, time_engine_step
 from ridge.roofline.predict import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_PRECISIONS, default_kv_budget,
@@ -64,12 +67,23 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
                  reps: int = 5, warmup: int = 2, sampling: str = "greedy", predict: bool = False,
                  predict_batches=DEFAULT_BATCHES, predict_contexts=None, precisions=DEFAULT_PRECISIONS,
                  kv_budget: float | None = None, remeasure: bool = False, out: str | None = None, llm=None,
-                 engine_kwargs: dict | None = None, command: str | None = None) -> Report:
+                 engine_kwargs: dict | None = None, command: str | None = None,
+                 tensor_parallel_size: int = 1) -> Report:
     """Measure this device's ceilings (cached), time a real prefill step (`prefill_batch` prompts of
     `prefill_len` tokens; 0 skips it) and a decode step per batch size in `batches` (each sequence
     with `context` tokens of context; both lengths default to DEFAULT_LENGTH or the model's
     context), diagnose each op, optionally predict a grid of shapes and
-    precisions, and write report.md/.json and roofline.png/.svg to `out`."""
+    precisions, and write report.md/.json and roofline.png/.svg to `out`. tensor_parallel_size
+    N > 1: the prediction alone (predict_tensor_parallel), which needs predict=True."""
+    if tensor_parallel_size != 1:
+        if not predict or llm is not None:
+            raise ValueError("tensor_parallel_size: ridge roofline times one process's kernels; at N > 1 it "
+                             "only predicts (--predict), from the cost of one rank's share and the link's roof")
+        kw = {k: v for k, v in (engine_kwargs or {}).items() if k in ("page_size",)}
+        return predict_tensor_parallel(model, tensor_parallel_size, device=device, dtype=dtype,
+                                       batches=predict_batches, contexts=predict_contexts, precisions=precisions,
+                                       kv_budget=kv_budget, remeasure=remeasure, out=out, sampling=sampling,
+                                       command=command, **kw)
     if context is None or prefill_len is None:
         if llm is not None:
             max_pos = min(llm.engine.model_cfg.max_position_embeddings, llm.engine.cfg.max_model_len)
@@ -148,3 +162,54 @@ def run_roofline(model: str | None = None, *, device: str = "auto", dtype: str =
     if out:
         write_report(rep, out)
     return rep
+
+
+def predict_tensor_parallel(model: str | None, tensor_parallel_size: int, *, device: str = "auto",
+                            dtype: str = "auto", batches=DEFAULT_BATCHES, contexts=None,
+                            precisions=DEFAULT_PRECISIONS, kv_budget: float | None = None, page_size: int | None = None,
+                            remeasure: bool = False, out: str | None = None, sampling: str = "greedy",
+                            command: str | None = None) -> Report:
+    """The prediction grid for N ranks (no steps measured): each rank's share of the model on its
+    own GPU (KV budget a rank), the collectives at the link's roof among N ranks (measured once
+    and cached where this machine has N GPUs, or N CPU processes; else the assumed NVLink figures,
+    said in the notes)."""
+    n = tensor_parallel_size
+    cfg = ModelConfig.from_dir(model_dir(model))
+    share = RankShare(cfg, n)                   # validates N and the architecture
+    dev = resolve_device(EngineConfig(device=device or "auto").device)
+    torch_dtype = resolve_dtype(dtype or "auto", cfg, dev)
+    ceilings = load_ceilings(dev, remeasure=remeasure, ranks=n)
+    link = ceilings.link(n)
+    notes = [f"tensor_parallel_size {n}: prediction only (measured steps time one process: run ridge roofline "
+             f"at tensor_parallel_size 1 for those); each row is a step of {n} ranks, each with its share, "
+             f"collectives in line (not overlapped)", link.describe()]
+    if not link.measured:
+        notes.append(f"the link among {n} ranks was not measured ({dev.type}: "
+                     f"{torch.cuda.device_count() if dev.type == 'cuda' else 0} GPUs here): its collectives' "
+                     f"times use the assumed figures")
+    contexts = [c for c in (contexts or DEFAULT_CONTEXTS) if c <= cfg.max_position_embeddings] \
+        or [cfg.max_position_embeddings]
+    predictions = predict_grid(cfg, ceilings, batches, contexts, precisions, kv_budget, page_size or 16,
+                               greedy=sampling == "greedy", tensor_parallel_size=n)
+    fmt = format_of(torch_dtype)
+    budget = kv_budget if kv_budget is not None else default_kv_budget(share, ceilings, fmt)
+    whole = meta_model(cfg, torch_dtype)
+    info = dict(architecture=cfg.architecture, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                parameters=model_weights(whole), parameter_bytes=parameter_bytes(cfg, _one(torch_dtype)),
+                tensor_parallel_size=n, rank_parameter_bytes=parameter_bytes(share, _one(torch_dtype)))
+    path = model_dir(model)
+    rep = Report(model=path, model_name=os.path.basename(os.path.normpath(path)), model_info=info,
+                 device=ceilings.name, device_type=ceilings.device, dtype=str(torch_dtype).removeprefix("torch."),
+                 backend="none (prediction only)", compute_roof=ceilings.roof(fmt.compute), ceilings=ceilings,
+                 steps=[], predictions=predictions, kv_budget_bytes=budget,
+                 created=datetime.datetime.now().isoformat(timespec="seconds"), command=command, notes=notes)
+    if out:
+        write_report(rep, out)
+    return rep
+
+
+def _one(dtype: torch.dtype):
+    from ridge.layers.cost import StepShape
+    return StepShape((1,), (1,), dtype=dtype)

@@ -36,7 +36,9 @@ def add_roofline_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--remeasure", action="store_true", help="measure the ceilings again instead of using the cache")
     r.add_argument("--ceilings-only", action="store_true", help="measure (or load) and print the ceilings, then stop")
     r.add_argument("--predict", action="store_true",
-                   help="predict prefill/decode time, tokens/s and max batch for a grid of shapes and precisions")
+                   help="predict prefill/decode time, tokens/s and max batch for a grid of shapes and precisions "
+                        "(the one mode at --tensor-parallel-size N > 1: a step of N ranks, its collectives at the "
+                        "link's measured roof)")
     r.add_argument("--predict-batches", type=int, nargs="+", default=None)
     r.add_argument("--predict-contexts", type=int, nargs="+", default=None)
     r.add_argument("--precisions", nargs="+", default=None,
@@ -70,9 +72,12 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
         dev = torch.device("cuda" if a.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
-        c = load_ceilings(dev, remeasure=a.remeasure)
+        ranks = a.tensor_parallel_size or 1
+        c = load_ceilings(dev, remeasure=a.remeasure, ranks=ranks)
         print(f"{c.name} ({c.device}), measured {c.measured_at}, cached at {cache_path(dev)}")
         print(ceilings_line(c))
+        if ranks > 1:
+            print(c.link(ranks).describe())
         ds = datasheet_line(c)
         if ds:
             print(ds)
@@ -80,9 +85,11 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     kw = settings.values(EngineConfig, a)
     # validated here, before anything loads; the two left to the steps are filled by run_roofline
     EngineConfig.from_kwargs(**{k: v for k, v in kw.items() if v is not None or k not in ROOFLINE_DEFAULTS})
-    if (kw.get("tensor_parallel_size") or 1) > 1:
-        raise ValueError("tensor_parallel_size: ridge roofline times one process's kernels; run it with 1 (the costs "
-                         "of one rank's share are each layer's cost() in a tensor-parallel engine)")
+    tp = kw.pop("tensor_parallel_size", None) or 1
+    if tp > 1 and not a.predict:
+        raise ValueError("tensor_parallel_size: ridge roofline times one process's kernels; at N > 1 it only "
+                         "predicts (add --predict): one rank's share of the model plus its collectives at the "
+                         "link's roof (measured among N ranks where this machine has them)")
     model, device, dtype = kw.pop("model"), kw.pop("device"), kw.pop("dtype")
     rep = run_roofline(model, device=device, dtype=dtype, batches=[] if a.no_decode else a.batch,
                        context=a.context, prefill_len=a.prefill_len, prefill_batch=a.prefill_batch, reps=a.reps,
@@ -91,7 +98,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
                        precisions=a.precisions or DEFAULT_PRECISIONS,
                        kv_budget=a.kv_budget_gb * 1e9 if a.kv_budget_gb is not None else None,
                        remeasure=a.remeasure, out=a.out, engine_kwargs=kw,
-                       command=_command_line())
+                       command=_command_line(), tensor_parallel_size=tp)
     print(format_terminal(rep))
     if a.out:
         print(f"\nwrote {a.out}/report.md, report.json, roofline.png, roofline.svg")

@@ -4,7 +4,13 @@ place MBU and MFU are computed is `utilization`.
 
 PRECISIONS are the formats the prediction grid asks about: the activations' dtype, plus what-if
 storage of the projections' weights and of the KV cache (the layers apply them to their own
-tensors; the LM head keeps the model's dtype)."""
+tensors; the LM head keeps the model's dtype).
+
+`RankShare(cfg, N)` stands for rank 0's share of the model under tensor parallelism of size N:
+its meta model is built with a TensorParallel of size N and no process group (the layers only
+split their shapes; nothing communicates on the meta device), so its cost is that rank's slices
+plus the collectives its forward runs (ridge/layers/cost.py). Wherever a function here takes a
+ModelConfig it takes a RankShare too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -44,18 +50,34 @@ def format_of(dtype: torch.dtype) -> Format:
     return PRECISIONS[precision_of(dtype).name]
 
 
-def meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """The model's module tree in `dtype` on the meta device: shapes and dtypes, no storage."""
+@dataclass(frozen=True)
+class RankShare:
+    """Rank 0's share of `cfg` under tensor parallelism of size `tp_size` (see the module docstring)."""
+    cfg: ModelConfig
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {self.tp_size!r}")
+        if self.tp_size > 1 and self.cfg.mla is not None:
+            raise ValueError("tensor_parallel_size: latent attention (DeepSeek) does not run tensor-parallel yet")
+
+
+def meta_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp_size: int = 1) -> torch.nn.Module:
+    """The model's module tree in `dtype` on the meta device: shapes and dtypes, no storage; with
+    tp_size > 1 rank 0's share of it (a TensorParallel of that size and no process group)."""
     from ridge.layers.attention import TORCH_BACKEND
     from ridge.models.registry import model_class
+    from ridge.parallel import SINGLE, TensorParallel
 
-    key = (repr(cfg), dtype)
+    key = (repr(cfg), dtype, tp_size)
     if key not in _META:
         default = torch.get_default_dtype()
+        tp = SINGLE if tp_size == 1 else TensorParallel(0, tp_size)
         try:
             torch.set_default_dtype(dtype)
             with torch.device("meta"):
-                _META[key] = model_class(cfg.architecture)(cfg, TORCH_BACKEND, cfg.max_position_embeddings)
+                _META[key] = model_class(cfg.architecture)(cfg, TORCH_BACKEND, cfg.max_position_embeddings, tp)
         finally:
             torch.set_default_dtype(default)
     return _META[key]
@@ -65,6 +87,9 @@ _META: dict = {}
 
 
 def model_of(model_or_cfg, dtype: torch.dtype) -> torch.nn.Module:
+    """A module with cost(): the model itself, or the meta model of a ModelConfig or RankShare."""
+    if isinstance(model_or_cfg, RankShare):
+        return meta_model(model_or_cfg.cfg, dtype, model_or_cfg.tp_size)
     return meta_model(model_or_cfg, dtype) if isinstance(model_or_cfg, ModelConfig) else model_or_cfg
 
 
@@ -84,6 +109,7 @@ def merge(costs: list[OpCost]) -> list[OpCost]:
         else:
             o.flops, o.bytes, o.calls = o.flops + c.flops, o.bytes + c.bytes, o.calls + c.calls
             o.param_bytes, o.kv_bytes = o.param_bytes + c.param_bytes, o.kv_bytes + c.kv_bytes
+            o.link_bytes += c.link_bytes
             if c.expert_load is not None and (o.expert_load is None or imbalance(c) > imbalance(o)):
                 o.expert_load = c.expert_load
     return list(out.values())
@@ -132,7 +158,8 @@ def kv_bytes_per_token(model, step: StepShape = ONE_TOKEN) -> float:
 def utilization(costs: list[OpCost], seconds: float, ceilings, compute: str) -> tuple[float, float]:
     """(MFU, MBU) of ops that took `seconds`: their FLOPs over the measured matrix peak of
     `compute`, their minimum bytes (weights + KV + activations) over the measured bandwidth. The
-    only place either is computed."""
+    only place either is computed. Tensor-parallel costs are one rank's: its GPU's MFU and MBU
+    (collectives add no FLOPs or HBM bytes, only time)."""
     if seconds <= 0:
         raise ValueError(f"seconds: must be > 0, got {seconds}")
     flops = sum(c.flops for c in costs)

@@ -30,8 +30,10 @@ from ridge.roofline.timeline import HOST, StepTiming, Timeline, time_step
 
 
 def op_labels(costs: list[OpCost]) -> dict[str, str]:
-    """module path -> the op its range is labelled with: the last op naming the module (its own)."""
-    return {c.module: c.name for c in costs}
+    """module path -> the op its range is labelled with: the last op naming the module (its own).
+    A collective is timed inside its module's range (a row-parallel projection's all-reduce with
+    its GEMM), never as the module's own op."""
+    return {c.module: c.name for c in costs if c.kind != "collective"}
 
 
 @contextlib.contextmanager

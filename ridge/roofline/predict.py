@@ -9,6 +9,13 @@ of an 8B model is ~300 dependent kernels, so that term is ~0.3 ms of a ~4 ms flo
 "prediction" of a real step is the floor plus it. The decode row names the term that dominates
 the floor (weights, KV cache, compute or activations), and the KV budget gives the largest batch
 whose pages fit.
+
+Tensor parallelism (`tensor_parallel_size` N > 1): the step is rank 0's share (costs.RankShare:
+its slices of the weights, heads and KV pages, in its own GPU's memory) plus the collectives its
+forward runs, each at the link's roof: latency a call + link_bytes / bus bandwidth (the third
+roof; `Ceilings.link(N)`: measured among N ranks where this machine has them, else the assumed
+NVLink figures, which the caller should say). The collectives run in line, not overlapped with
+compute (as ridge runs them), so their time adds to the step; `decode_comm_s` is that part.
 """
 from __future__ import annotations
 
@@ -17,8 +24,8 @@ from dataclasses import dataclass
 from ridge.config import DEFAULT_CPU_KV_BYTES, ModelConfig
 from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
-from ridge.roofline.costs import (PRECISIONS, Format, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
-                                  step_costs)
+from ridge.roofline.costs import (PRECISIONS, Format, RankShare, decode_shape, kv_bytes_per_token, parameter_bytes,
+                                  prefill_shape, step_costs)
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
@@ -28,7 +35,16 @@ GPU_MEMORY_FRACTION = 0.9
 
 
 def op_ideal_s(cost: OpCost, ceilings: Ceilings) -> float:
+    """A compute op at the higher of its two roofs; a collective at the link's (latency a call
+    plus its link bytes over the bus bandwidth)."""
+    if cost.kind == "collective":
+        return ceilings.link(cost.ranks).seconds(cost.link_bytes, cost.calls)
     return max(cost.flops / ceilings.peak(cost.compute), cost.bytes / ceilings.bandwidth)
+
+
+def comm_s(costs: list[OpCost], ceilings: Ceilings) -> float:
+    """The collectives' part of a step at the roofline (0 on one rank)."""
+    return sum(op_ideal_s(c, ceilings) for c in costs if c.kind == "collective")
 
 
 def launch_floor_s(ceilings: Ceilings) -> float:
@@ -38,12 +54,13 @@ def launch_floor_s(ceilings: Ceilings) -> float:
 
 
 def launches_s(costs: list[OpCost], ceilings: Ceilings) -> float:
-    """One launch floor per kernel, counting one kernel per op call."""
-    return sum(c.calls for c in costs) * launch_floor_s(ceilings)
+    """One launch floor per kernel, counting one kernel per op call (a collective's is inside the
+    link's measured latency)."""
+    return sum(c.calls for c in costs if c.kind != "collective") * launch_floor_s(ceilings)
 
 
 def predicted_step_s(model, ceilings: Ceilings, shape: StepShape, with_launches: bool = False) -> float:
-    """The roofline floor of one step (`model`: a module with cost() or a ModelConfig): each op at
+    """The roofline floor of one step (`model`: a module with cost(), a ModelConfig or a RankShare): each op at
     its roof, no gaps; with_launches adds one launch floor per kernel (launches_s)."""
     costs = step_costs(model, shape)
     return sum(op_ideal_s(c, ceilings) for c in costs) + (launches_s(costs, ceilings) if with_launches else 0.0)
@@ -57,13 +74,14 @@ def decode_bound(model, ceilings: Ceilings, shape: StepShape) -> str:
         "weights": sum(c.param_bytes for c in costs) / bw,
         "KV cache": sum(c.kv_bytes for c in costs) / bw,
         "activations": sum(c.bytes - c.param_bytes - c.kv_bytes for c in costs) / bw,
+        "communication": comm_s(costs, ceilings),
     }
     return max(terms, key=terms.get)
 
 
-def default_kv_budget(cfg: ModelConfig, ceilings: Ceilings, fmt: Format) -> float:
-    """Bytes left for the KV cache: on a GPU, GPU_MEMORY_FRACTION of its memory minus the weights;
-    on a CPU, the engine's default CPU pool."""
+def default_kv_budget(cfg: ModelConfig | RankShare, ceilings: Ceilings, fmt: Format) -> float:
+    """Bytes left for the KV cache: on a GPU, GPU_MEMORY_FRACTION of its memory minus the weights
+    (a RankShare: one rank's share on its own GPU); on a CPU, the engine's default CPU pool."""
     if ceilings.device == "cuda" and ceilings.details.get("memory_bytes"):
         return max(0.0, GPU_MEMORY_FRACTION * ceilings.details["memory_bytes"]
                    - parameter_bytes(cfg, fmt.shape(StepShape((1,), (1,)))))
@@ -84,26 +102,39 @@ class PredictionRow:
     kv_bytes_per_seq: float
     max_batch: int                # sequences of `context` tokens that fit the KV budget
     fits: bool
+    tp: int = 1                   # tensor-parallel size: the times are a step of N ranks, each its share
+    prefill_comm_s: float = 0.0   # of prefill_s, the collectives (at the link's roof)
+    decode_comm_s: float = 0.0    # of decode_s, the collectives
+
+    @property
+    def decode_comm_share(self) -> float:
+        return self.decode_comm_s / self.decode_s
 
 
 def predict(cfg: ModelConfig, ceilings: Ceilings, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS,
             precisions=DEFAULT_PRECISIONS, kv_budget: float | None = None, page_size: int = 16,
-            greedy: bool = True) -> list[PredictionRow]:
+            greedy: bool = True, tensor_parallel_size: int = 1) -> list[PredictionRow]:
+    """A row per (precision, context, batch); at tensor_parallel_size N a step of N ranks (the
+    module docstring), each rank's KV budget its own GPU's (kv_budget: bytes a rank)."""
+    model = RankShare(cfg, tensor_parallel_size) if tensor_parallel_size != 1 else cfg
     rows = []
     for pname in precisions:
         if pname not in PRECISIONS:
             raise ValueError(f"precisions: unknown {pname!r}; expected one of {', '.join(PRECISIONS)}")
         f = PRECISIONS[pname]
-        budget = default_kv_budget(cfg, ceilings, f) if kv_budget is None else kv_budget
+        budget = default_kv_budget(model, ceilings, f) if kv_budget is None else kv_budget
         for ctx in contexts:
             pages = -(-ctx // page_size)
-            per_seq = pages * page_size * kv_bytes_per_token(cfg, f.shape(StepShape((1,), (1,))))
+            per_seq = pages * page_size * kv_bytes_per_token(model, f.shape(StepShape((1,), (1,))))
             max_batch = int(budget // per_seq)
             for b in batches:
-                pre = predicted_step_s(cfg, ceilings, f.shape(prefill_shape(b, ctx, greedy=greedy)))
+                pshape = f.shape(prefill_shape(b, ctx, greedy=greedy))
+                pre = predicted_step_s(model, ceilings, pshape)
                 dshape = f.shape(decode_shape(b, ctx, greedy=greedy))
-                dec = predicted_step_s(cfg, ceilings, dshape)
-                dec_launches = predicted_step_s(cfg, ceilings, dshape, with_launches=True)
+                dec = predicted_step_s(model, ceilings, dshape)
+                dec_launches = predicted_step_s(model, ceilings, dshape, with_launches=True)
                 rows.append(PredictionRow(pname, b, ctx, pre, b * ctx / pre, dec, b / dec, dec_launches,
-                                          decode_bound(cfg, ceilings, dshape), per_seq, max_batch, b <= max_batch))
+                                          decode_bound(model, ceilings, dshape), per_seq, max_batch, b <= max_batch,
+                                          tensor_parallel_size, comm_s(step_costs(model, pshape), ceilings),
+                                          comm_s(step_costs(model, dshape), ceilings)))
     return rows

@@ -113,11 +113,15 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> str
 def _prediction_cells(p: PredictionRow) -> list[str]:
     return [p.precision, str(p.context), str(p.batch), _fmt_s(p.prefill_s), f"{p.prefill_tok_s:,.0f}",
             _fmt_s(p.decode_s), f"{p.decode_tok_s:,.0f}", _fmt_s(p.decode_launches_s), p.decode_bound,
-            str(p.max_batch), "yes" if p.fits else "no"]
+            str(p.max_batch), "yes" if p.fits else "no"] + ([
+            str(p.tp), f"{_fmt_s(p.decode_comm_s)} ({p.decode_comm_share:.0%})",
+            f"{_fmt_s(p.prefill_comm_s)} ({p.prefill_comm_s / p.prefill_s:.0%})"] if p.tp > 1 else [])
 
 
-_PRED_COLS = ["precision", "context", "batch", "prefill", "prefill tok/s", "decode step", "decode tok/s",
-              "decode + launches", "decode bound by", "max batch", "fits"]
+def _pred_cols(rows: list[PredictionRow]) -> list[str]:       # TP rows: the collectives' part of each step
+    return ["precision", "context", "batch", "prefill", "prefill tok/s", "decode step", "decode tok/s",
+            "decode + launches", "decode bound by", "max batch", "fits"] + (
+        ["TP", "decode comm (share)", "prefill comm (share)"] if rows[0].tp > 1 else [])
 
 
 def format_terminal(rep: Report) -> str:
@@ -141,7 +145,7 @@ def format_terminal(rep: Report) -> str:
         out += ["", "prediction: each op at its measured roof, no gaps (+ launches: one measured launch floor "
                 "per kernel)"
                 + (f"; KV budget {rep.kv_budget_bytes / 1e9:.3g} GB" if rep.kv_budget_bytes else ""),
-                _table(_PRED_COLS, [_prediction_cells(p) for p in rep.predictions])]
+                _table(_pred_cols(rep.predictions), [_prediction_cells(p) for p in rep.predictions])]
     out += [f"note: {n}" for n in rep.notes]
     return "\n".join(out)
 
@@ -165,7 +169,7 @@ def to_json(rep: Report) -> dict:
         ceilings=dict(bandwidth_bytes_per_s=c.bandwidth, matmul_flops_per_s=c.matmul,
                       launch_overhead_s=c.launch_overhead, graph_launch_s=c.graph_launch,
                       measured_at=c.measured_at, key=c.key, torch_version=c.torch_version, details=c.details,
-                      datasheet_not_used=c.datasheet),
+                      datasheet_not_used=c.datasheet, links=c.links),
         thresholds=dict(launch_bound_factor=LAUNCH_BOUND_FACTOR, bound_fraction=BOUND_FRACTION),
         steps=steps,
         predictions=[asdict(p) for p in rep.predictions] if rep.predictions is not None else None,
@@ -207,7 +211,7 @@ def to_markdown(rep: Report, image: str | None = "roofline.png") -> str:
                 "graph-captured engine approaches); \"decode + launches\" adds one measured launch floor "
                 "per kernel (a dependent trivial kernel in a replayed CUDA graph)"
                 + (f"; KV budget {rep.kv_budget_bytes / 1e9:.3g} GB." if rep.kv_budget_bytes else "."), "",
-                _md_table(_PRED_COLS, [_prediction_cells(p) for p in rep.predictions])]
+                _md_table(_pred_cols(rep.predictions), [_prediction_cells(p) for p in rep.predictions])]
     out += [f"- note: {n}" for n in rep.notes]
     return "\n".join(out) + "\n"
 
@@ -335,9 +339,8 @@ def plot_roofline(rep: Report, paths: list[str]) -> None:
     ax.legend(handles=step_handles, title="step (point area: share of its time)", fontsize=7,
               title_fontsize=8, loc="lower left", bbox_to_anchor=(1.02, 0.0), frameon=False, labelspacing=0.9)
     skipped = sorted({r.op for s in rep.steps for r in s.rows if r.time_s and not r.flops})
-    foot = f"ceilings measured on this machine {c.measured_at} (no datasheet values)"
-    if skipped:
-        foot += f"; not drawn (no FLOPs, bandwidth in the table): {', '.join(skipped)}"
+    foot = f"ceilings measured on this machine {c.measured_at} (no datasheet values)" + (
+        f"; not drawn (no FLOPs, bandwidth in the table): {', '.join(skipped)}" if skipped else "")
     fig.text(0.01, 0.01, foot, fontsize=7, color="0.35")
     with matplotlib.rc_context({"svg.fonttype": "none"}):     # SVG text stays text: searchable, small
         for path in paths:
@@ -378,12 +381,10 @@ def _label_points(ax, points, blocked=()) -> None:
 
 def write_report(rep: Report, out_dir: str) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, name) for name in ("report.md", "report.json", "roofline.png",
-                                                            "roofline.svg")}
-    with open(paths["report.json"], "w") as f:
+    paths = {name: os.path.join(out_dir, name) for name in ("report.md", "report.json", "roofline.png", "roofline.svg")}
+    with open(paths["report.json"], "w") as f, open(paths["report.md"], "w") as md:
         json.dump(_finite(to_json(rep)), f, indent=2, default=str)
-    with open(paths["report.md"], "w") as f:
-        f.write(to_markdown(rep))
+        md.write(to_markdown(rep))
     plot_roofline(rep, [paths["roofline.png"], paths["roofline.svg"]])
     return paths
 

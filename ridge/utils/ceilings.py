@@ -9,6 +9,12 @@
     engine issues them (on a CPU: per dispatch of a trivial torch op); on a GPU also the time per
     kernel inside a replayed CUDA graph, the floor once launches are captured.
 
+  - the link (tensor parallelism's third roof), for each group size asked for: an all-reduce of
+    M bytes on N ranks takes latency + 2(N-1)/N x M / busbw, fitted to timed all-reduces of 8 KB
+    to 64 MB (ridge/utils/collectives.py: NCCL between GPUs; on a CPU gloo between processes,
+    the backend ridge's CPU ranks use). Measured only where the ranks exist (N GPUs); elsewhere
+    `link(N)` gives the assumed NVLink figures below, marked as assumed.
+
 Datasheet values (for a few GPUs) are stored beside the measurements for display only; every
 label, fraction and prediction uses the measured numbers.
 """
@@ -22,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ridge.utils.device_cache import cache_root, cached, device_key, device_name
+from ridge.utils.device_cache import cache_root, cached, device_key, device_name, write_json
 
 CACHE_VERSION = 2
 
@@ -35,6 +41,13 @@ DATASHEETS = {
     "NVIDIA A100-SXM4-80GB": dict(bandwidth=2.039e12, bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12),
     "NVIDIA A100-SXM4-40GB": dict(bandwidth=1.555e12, bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12),
 }
+
+# Assumed where the link was not measured (fewer GPUs than ranks): H100/H200 NVLink through
+# NVSwitch, NVLink multicast (NVLS) off as ridge runs it. Bus bandwidth: NCCL's effective NVLink
+# rate, ~80% of the 450 GB/s line rate (NCCL's maintainers, NVIDIA/nccl-tests#212; 369 GB/s
+# measured on 8 H100s with NVLS off, #309); latency: one 8 KB all-reduce inside ridge's decode
+# CUDA graph on 2 H100s (BENCHMARKS.md: 17.6 us a layer for two).
+ASSUMED_LINK = dict(latency=8.8e-6, busbw=370e9, kind="NVLink (H100/H200, assumed)", backend="nccl")
 
 # Where a dtype has no measured ceiling, the roof of the dtype its math falls back to.
 _FALLBACK = {"fp8": "bf16", "tf32": "fp32", "fp16": "bf16", "bf16": "fp32"}
@@ -53,6 +66,16 @@ class Ceilings:
     measured_at: str = ""
     torch_version: str = ""
     datasheet: dict | None = None
+    # ranks (as a string: JSON keys) -> the link's measured fit, collectives.measure_link's dict
+    links: dict = field(default_factory=dict)
+
+    def link(self, ranks: int) -> "Link":
+        """The all-reduce's roof among `ranks` ranks: measured here if it was, else ASSUMED_LINK."""
+        m = self.links.get(str(ranks))
+        if m is not None:
+            return Link(ranks, m["latency"], m["busbw"], m["kind"], m["backend"], True)
+        return Link(ranks, ASSUMED_LINK["latency"], ASSUMED_LINK["busbw"], ASSUMED_LINK["kind"],
+                    ASSUMED_LINK["backend"], False)
 
     def roof(self, dtype: str) -> str:
         """The measured ceiling that serves `dtype` (fp32 on a GPU runs on TF32 tensor cores
@@ -77,6 +100,26 @@ class Ceilings:
     @classmethod
     def from_dict(cls, d: dict) -> "Ceilings":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective among `ranks` ranks takes latency + link_bytes / busbw (nccl-tests' bus
+    bandwidth: link_bytes counted as the ring sends them, ridge/layers/cost.py)."""
+    ranks: int
+    latency: float          # s a call
+    busbw: float            # bytes/s
+    kind: str               # "NVLink", "PCIe", "gloo (CPU processes)", ...
+    backend: str            # "nccl" or "gloo"
+    measured: bool
+
+    def seconds(self, link_bytes: float, calls: int = 1) -> float:
+        return calls * self.latency + link_bytes / self.busbw
+
+    def describe(self) -> str:
+        how = "measured" if self.measured else "not measured here: assumed"
+        return (f"link among {self.ranks} ranks ({self.kind}, {self.backend}, {how}): all-reduce latency "
+                f"{self.latency * 1e6:.1f} us, bus bandwidth {self.busbw / 1e9:.0f} GB/s")
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -253,11 +296,19 @@ def cache_path(device: torch.device | str) -> str:
     return os.path.join(cache_dir(), f"ceilings-{device_key(torch.device(device))}.json")
 
 
-def load_ceilings(device: torch.device | str = "cpu", remeasure: bool = False) -> Ceilings:
-    """The device's ceilings from the cache, measured (and cached) on first use or when asked."""
+def load_ceilings(device: torch.device | str = "cpu", remeasure: bool = False, ranks: int = 1) -> Ceilings:
+    """The device's ceilings from the cache, measured (and cached) on first use or when asked;
+    with ranks > 1 also the link among that many ranks, where this machine has them (see
+    collectives.link_available), measured once and cached with the rest."""
+    from ridge.utils.collectives import link_available, measure_link
+
     device = torch.device(device)
     path, measure = cache_path(device), lambda: measure_ceilings(device).to_dict()
     try:
-        return Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure))
+        c = Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure))
     except (KeyError, TypeError, ValueError):       # a cache of an older layout: measure again
-        return Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure=True))
+        c = Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure=True))
+    if ranks > 1 and str(ranks) not in c.links and link_available(device, ranks):
+        c.links[str(ranks)] = measure_link(device.type, ranks)
+        write_json(path, CACHE_VERSION, c.to_dict())
+    return c
