@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import threading
 from dataclasses import dataclass, field
 
 import torch

@@ -140,11 +140,6 @@ class ModelRunner:
         self.warm_up_prefill()
         self.setup_decode(use_graphs, verify_queries, verify_max_bs)
 
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks' processes (nothing to do for one rank)."""
-        if self.workers is not None:
-            self.workers.close()
-
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs before leaving a tensor-parallel group (DecodeGraphs.release)."""
         for g in filter(None, (self.decode_graphs, self.verify_graphs)):
