@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ridge.kernels.int4_matmul import dequantize_int4
 from ridge.kernels.rounding import round_to
 
 FP8_BLOCK = 128
 INT4_GROUP = 128
-PACK = 8                # int4 codes per int32 word
 FLOAT, FP8, INT4 = 0, 1, 2          # the kernels' FMT constexpr
 
 
@@ -61,8 +61,9 @@ class Int4Experts(NamedTuple):
 
 
 def expert_tables(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(values, scales, zero points, FMT) as the kernels take them: a float expert weight's scales and
-    zero points are placeholders, never read; FP8 has no zero points."""
+    """(values, scales, zero points, FMT) as the kernels take them. The kernels' FLOAT variant reads
+    no scale or zero-point pointer, so a float weight passes itself in those slots; FP8 has no zero
+    points (its scales fill that slot, unread)."""
     if isinstance(w, Int4Experts):
         return w.q, w.scale, w.zero, INT4
     if isinstance(w, Fp8Experts):
@@ -92,11 +93,9 @@ def dequantize_experts(w) -> torch.Tensor:
         E, N, K = w.q.shape
         s = w.scale.repeat_interleave(FP8_BLOCK, 1)[:, :N].repeat_interleave(FP8_BLOCK, 2)[:, :, :K]
         return (w.q.float() * s).to(w.dtype)
-    if isinstance(w, Int4Experts):
-        shifts = torch.arange(0, 32, 4, device=w.q.device, dtype=torch.int32)
-        q = ((w.q.unsqueeze(-1) >> shifts) & 0xF).flatten(2)[:, :, :w.k].float()
-        group = torch.arange(w.k, device=w.q.device) // INT4_GROUP
-        return ((q - w.zero.float()[:, :, group]) * w.scale.float()[:, :, group]).to(w.dtype)
+    if isinstance(w, Int4Experts):        # each expert is a dense INT4 table transposed (K along rows)
+        return torch.stack([dequantize_int4(q.T, s.T, z.T, INT4_GROUP).T
+                            for q, s, z in zip(w.q, w.scale, w.zero)]).to(w.dtype)
     return w
 
 

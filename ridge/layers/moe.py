@@ -41,8 +41,9 @@ from torch import nn
 
 import torch.nn.functional as F
 
+from ridge.kernels.int4_matmul import PACK
 from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
-from ridge.kernels.moe_quant import FP8_BLOCK, INT4_GROUP, PACK, Fp8Experts, Int4Experts
+from ridge.kernels.moe_quant import FP8_BLOCK, INT4_GROUP, Fp8Experts, Int4Experts
 from ridge.kernels.moe_route import route_grouped_ref, route_topk, route_topk_ref
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.quant.formats import pack_last, quantize_rtn
