@@ -152,21 +152,33 @@ def test_a_hung_worker_fails_the_engine_after_the_timeout(checkpoints):
     assert_released(llm)                                  # the stopped process is killed too
 
 
-def test_a_device_wait_past_the_timeout_fails_the_engine(checkpoints):
-    """Under NCCL a hung rank stalls rank 0 on its device (the token readback), not in a host call
-    that could time out: the watcher fails the pool once that wait outlasts the timeout. Here the
-    wait is rank 0's own, held open, with the worker stopped."""
+def watched_engine(checkpoints):
+    """A TP = 2 engine with a 1 s timeout, warmed by one request: (llm, its pool, an event the
+    failure callback sets)."""
     llm = LLM(checkpoints("llama"), **TP2, distributed_timeout_seconds=1)
-    pool = llm.engine.runner.workers
     llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
     told = threading.Event()
     llm.on_failure(lambda message: told.set())
-    with pool.device_wait():
-        assert told.wait(10)
+    return llm, llm.engine.runner.workers, told
+
+
+def assert_failed_by_the_timeout(llm, pool) -> None:
+    """The watcher failed the pool for a step that outlasted the timeout: named so, every later
+    request refused, everything released."""
     assert "did not finish within distributed_timeout_seconds (1 s)" in pool.failure
     with pytest.raises(RankFailure, match="did not finish"):
         llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
     assert_released(llm)
+
+
+def test_a_device_wait_past_the_timeout_fails_the_engine(checkpoints):
+    """Under NCCL a hung rank stalls rank 0 on its device (the token readback), not in a host call
+    that could time out: the watcher fails the pool once that wait outlasts the timeout. Here the
+    wait is rank 0's own, held open, with the worker stopped."""
+    llm, pool, told = watched_engine(checkpoints)
+    with pool.device_wait():
+        assert told.wait(10)
+    assert_failed_by_the_timeout(llm, pool)
 
 
 def test_device_work_past_the_timeout_fails_the_engine(checkpoints):
@@ -181,19 +193,12 @@ def test_device_work_past_the_timeout_fails_the_engine(checkpoints):
         def query(self) -> bool:
             return self.done
 
-    llm = LLM(checkpoints("llama"), **TP2, distributed_timeout_seconds=1)
-    pool = llm.engine.runner.workers
-    llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
-    told = threading.Event()
-    llm.on_failure(lambda message: told.set())
+    llm, pool, told = watched_engine(checkpoints)
     pool._in_flight = (Event(done=True), time.monotonic() - 60)
     assert not told.wait(3) and pool.failure is None
     pool._in_flight = (Event(done=False), time.monotonic())
     assert told.wait(10)
-    assert "did not finish within distributed_timeout_seconds (1 s)" in pool.failure
-    with pytest.raises(RankFailure, match="did not finish"):
-        llm.generate([prompt_of(4)], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert_released(llm)
+    assert_failed_by_the_timeout(llm, pool)
 
 
 def test_a_dropped_llm_stops_its_workers(checkpoints):
