@@ -36,6 +36,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import json_option, write_json  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWITCHES = ("RIDGE_PDL", "RIDGE_FUSE_NORM")
 VARIANTS = {            # name -> (tree: "this" | "base", environment switches turned on)
@@ -55,7 +58,6 @@ METRICS = (("latency", "decode_tokens_per_s", "(a) b=1 decode tok/s"),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out_dir = os.environ.get("OUT")
     ap.add_argument("--model", default="/tmp/ridge-llama3-8b", help="checkpoint directory both trees load")
     ap.add_argument("--baseline", default=os.path.join(ROOT, ".baseline", "5e4f924"),
                     help="the baseline tree (benchmarks/make_baseline.sh writes it)")
@@ -69,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run-timeout", type=int, default=300, help="seconds one subprocess may take")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run once this many seconds have passed minus the longest run so far")
-    ap.add_argument("--json", default=os.path.join(out_dir, "ab.json") if out_dir else "ab.json")
+    json_option(ap, "ab.json", without_out="ab.json")
     ap.add_argument("--log-dir", default="/tmp/ridge-ab")
     ap.add_argument("--overlap-probe", action="store_true", help=argparse.SUPPRESS)   # the fallback's child
     a = ap.parse_args(argv)
@@ -248,9 +250,7 @@ def main(argv=None) -> int:
 
     def save():
         result["summary"] = summarize(result["runs"], a.variants)
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.json, result)
 
     longest = 0.0
     for rnd in range(a.repeats):

@@ -26,7 +26,6 @@ graphs of its own, is timed eagerly between the same events. The table comes las
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth_gbps, rotating_sets, time_rotating, try_time  # noqa: E402
+from timing import copy_bandwidth_gbps, json_option, rotating_sets, time_rotating, try_time, write_json  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -239,8 +238,7 @@ def decode_plan(args) -> list[tuple[int, int]]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "attention.json") if out_dir else None)
+    json_option(ap, "attention.json")
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--splits-sweep", type=int, nargs="*", default=[],
                     help="also time the decode kernel at these split counts (fraction of copy bandwidth)")
@@ -282,9 +280,7 @@ def main(argv=None) -> None:
         result["decode"].append(bench_decode(B, L, copy_gbps, args, sweep=sweep))
         torch.cuda.empty_cache()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
 
     print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s; CUDA-graph replays, medians")
     if result["prefill"]:

@@ -23,19 +23,21 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import json_option, write_json  # noqa: E402
+
 T_PROCESS = time.time()      # a child's own start, as early as the module allows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out_dir = os.environ.get("OUT")
     ap.add_argument("--model", default="/tmp/ridge-llama3-8b-config", help="config + tokenizer directory")
     ap.add_argument("--preset", default="llama3-8b", help="random_checkpoint preset written when --model is empty")
     ap.add_argument("--runs", type=int, default=2, help="processes, one after another (1st cold, then warm)")
     ap.add_argument("--cache-dir", default="/tmp/ridge-ready-cache", help="compile caches (emptied first)")
     ap.add_argument("--target-s", type=float, default=15.0, help="warm process start -> ready target")
     ap.add_argument("--run-timeout", type=int, default=300)
-    ap.add_argument("--json", default=os.path.join(out_dir, "engine_ready.json") if out_dir else "engine_ready.json")
+    json_option(ap, "engine_ready.json", without_out="engine_ready.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spawned-at", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -124,9 +126,7 @@ def main(argv=None) -> int:
     warm = [r["spawn_to_ready_s"] for r in result["runs"][1:] if "spawn_to_ready_s" in r]
     result["warm_spawn_to_ready_s"] = min(warm) if warm else None
     result["meets_target"] = bool(warm) and min(warm) <= a.target_s
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(a.json, result)
     print(f"\nengine ready ({a.preset}, load_format=dummy), seconds")
     print(f"{'run':<4} {'cache':<5} {'spawn->ready':>12} {'import':>7} {'construct':>9} {'warm-up':>8} {'graphs':>7}")
     for i, r in enumerate(result["runs"]):

@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, cuda_run, print_plan, run_plan, short_error, time_calls  # noqa: E402
+from timing import (calls_for, copies_for, cuda_run, json_option, print_plan, run_plan, short_error,  # noqa: E402
+                    time_calls)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -158,8 +159,7 @@ def verdicts(rows: list[dict]) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "fp8_gemm.json") if out_dir else None)
+    json_option(ap, "fp8_gemm.json")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--calls", type=int, default=20, help="minimum calls captured per graph")

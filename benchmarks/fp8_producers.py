@@ -27,7 +27,6 @@ codes equal.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -35,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (copy_bandwidth_gbps, cuda_run, print_plan, record_bandwidth, rotating_sets,  # noqa: E402
-                    time_rotating, try_time)
+from timing import (copy_bandwidth_gbps, cuda_run, json_option, print_plan, record_bandwidth,  # noqa: E402
+                    rotating_sets, time_rotating, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -116,8 +115,7 @@ def run_case(c: dict, g, copy_gbps: float, args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "fp8_producers.json") if out_dir else None)
+    json_option(ap, "fp8_producers.json")
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--only", choices=CASES, nargs="+", default=list(CASES))
     ap.add_argument("--calls", type=int, default=20, help="calls per graph (at least)")
@@ -147,9 +145,7 @@ def main(argv=None) -> None:
         result["cases"].append(run_case(c, g, result["copy_GBps"], args))
         torch.cuda.empty_cache()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
 
     print(f"\n{result['device']}  copy bandwidth {result['copy_GBps']:.0f} GB/s, seed {seed}; CUDA-graph medians")
     print("MB = minimum bytes moved; frac = (MB / time) / copy bandwidth; speedup = separate / fused time; "

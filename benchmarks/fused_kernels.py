@@ -24,7 +24,6 @@ as NaN, so an element the kernel does not write fails the comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth_gbps, record_bandwidth, rotating_sets, time_rotating, try_time  # noqa: E402
+from timing import (copy_bandwidth_gbps, json_option, record_bandwidth, rotating_sets, time_rotating,  # noqa: E402
+                    try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -147,8 +147,7 @@ def run_case(name, T, g, rope, copy_gbps, args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "fused_kernels.json") if out_dir else None)
+    json_option(ap, "fused_kernels.json")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--only", choices=CASES, nargs="+", default=list(CASES))
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
@@ -186,9 +185,7 @@ def main(argv=None) -> None:
             result["cases"].append(run_case(name, T, g, rope, copy_gbps, args))
             torch.cuda.empty_cache()
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
 
     print(f"\n{result['device']}  copy bandwidth {copy_gbps:.0f} GB/s  bf16, seed {seed}; CUDA-graph replays, medians")
     print("frac = (minimum bytes / time) / copy bandwidth; eq = fraction of outputs bitwise equal to torch")

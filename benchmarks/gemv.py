@@ -30,7 +30,6 @@ data. Each config compiles once per distinct K and row class, ~0.5-1 s each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -39,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import calls_for, copies_for, copy_bandwidth_gbps, l2_bytes as device_l2_bytes, time_calls, try_time  # noqa: E402
+from timing import (calls_for, copies_for, copy_bandwidth_gbps, json_option, l2_bytes as device_l2_bytes,  # noqa: E402
+                    time_calls, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -177,8 +177,7 @@ def run_sweep_case(c, gen, l2_bytes, copy_gbps, args) -> dict:
 # ----------------------------------------------------------------------------------------- driver
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "gemv.json") if out_dir else None)
+    json_option(ap, "gemv.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M values (<= 8)")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--only", nargs="+", default=None, help="projection names to keep (e.g. o down+silu)")
@@ -251,9 +250,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - t_start
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
 
     if result["sweep"]:
         print("\nsweep (BLOCK_N, BLOCK_K, warps, stages, dot): best vs heuristic, us and frac of copy bandwidth")

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, print_plan, run_plan,  # noqa: E402
-                    short_error, time_calls, try_time)
+from timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, json_option, print_plan,  # noqa: E402
+                    run_plan, short_error, time_calls, try_time)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -196,8 +196,7 @@ def verdicts(rows: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------- driver
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    out_dir = os.environ.get("OUT")
-    ap.add_argument("--json", default=os.path.join(out_dir, "int4_gemm.json") if out_dir else None)
+    json_option(ap, "int4_gemm.json")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--only", nargs="+", default=None, help="projection names to keep (e.g. o down)")

@@ -25,12 +25,28 @@ with a fake clock (tests/test_benchmark_scripts.py).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 DEFAULT_L2_BYTES = 50 << 20      # used only when the device does not report its L2 size
+
+
+def json_option(ap, filename: str, without_out: str | None = None) -> None:
+    """A script's --json: by default $OUT/<filename> when OUT is set (benchmarks/gpu_run.sh sets
+    it), else `without_out`."""
+    out_dir = os.environ.get("OUT")
+    ap.add_argument("--json", default=os.path.join(out_dir, filename) if out_dir else without_out)
+
+
+def write_json(path: str, result: dict) -> None:
+    """`result` as indented JSON at `path`, its folder made first."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 @dataclass(frozen=True)
@@ -208,8 +224,6 @@ def run_plan(plan: list[dict], run_case: Callable[[dict], dict], result: dict, v
              json_path: str | None) -> dict:
     """Each case in turn (freeing the allocator's cache between them), then the verdicts and the
     wall time into `result`, written as JSON to json_path when given."""
-    import json
-    import os
     import time
 
     import torch
@@ -221,7 +235,5 @@ def run_plan(plan: list[dict], run_case: Callable[[dict], dict], result: dict, v
     result["verdicts"] = verdicts(result["rows"])
     result["wall_s"] = time.perf_counter() - t0
     if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(json_path, result)
     return result
