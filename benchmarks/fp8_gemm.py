@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (calls_for, copies_for, cuda_run, json_option, print_plan, run_plan, short_error,  # noqa: E402
-                    time_calls)
+from timing import (calls_for, copies_for, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
+                    replay_options, run_plan, short_error, time_calls)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -162,13 +162,9 @@ def parse_args(argv=None):
     json_option(ap, "fp8_gemm.json")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    ap.add_argument("--calls", type=int, default=20, help="minimum calls captured per graph")
-    ap.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
+    replay_options(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
-    args = ap.parse_args(argv)
-    if any(m < 1 for m in args.rows) or args.calls < 1 or args.reps < 1:
-        ap.error("--rows, --calls and --reps must be positive")
-    return args
+    return parse_positive(ap, argv, "rows")
 
 
 def main(argv=None) -> None:

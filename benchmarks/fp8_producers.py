@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (copy_bandwidth_gbps, cuda_run, json_option, print_plan, record_bandwidth,  # noqa: E402
-                    rotating_sets, time_rotating, try_time, write_json)
+from timing import (copy_bandwidth_gbps, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
+                    record_bandwidth, replay_options, rotating_sets, time_rotating, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -118,13 +118,9 @@ def parse_args(argv=None):
     json_option(ap, "fp8_producers.json")
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--only", choices=CASES, nargs="+", default=list(CASES))
-    ap.add_argument("--calls", type=int, default=20, help="calls per graph (at least)")
-    ap.add_argument("--reps", type=int, default=20, help="timed replays (median)")
+    replay_options(ap)
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
-    args = ap.parse_args(argv)
-    if any(t < 1 for t in args.tokens) or args.calls < 1 or args.reps < 1:
-        ap.error("--tokens, --calls and --reps must be positive")
-    return args
+    return parse_positive(ap, argv, "tokens")
 
 
 def main(argv=None) -> None:

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (copy_bandwidth_gbps, json_option, record_bandwidth, rotating_sets, time_rotating,  # noqa: E402
-                    try_time, write_json)
+from timing import (copy_bandwidth_gbps, json_option, parse_positive, record_bandwidth, replay_options,  # noqa: E402
+                    rotating_sets, time_rotating, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -151,12 +151,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--only", choices=CASES, nargs="+", default=list(CASES))
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
-    ap.add_argument("--calls", type=int, default=20, help="calls per graph (at least)")
-    ap.add_argument("--reps", type=int, default=20, help="timed replays (median)")
-    args = ap.parse_args(argv)
-    if any(t < 1 for t in args.tokens) or args.calls < 1 or args.reps < 1:
-        ap.error("--tokens, --calls and --reps must be positive")
-    return args
+    replay_options(ap)
+    return parse_positive(ap, argv, "tokens")
 
 
 def main(argv=None) -> None:

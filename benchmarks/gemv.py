@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import (calls_for, copies_for, copy_bandwidth_gbps, json_option, l2_bytes as device_l2_bytes,  # noqa: E402
-                    time_calls, try_time, write_json)
+                    replay_options, time_calls, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -181,8 +181,7 @@ def parse_args(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M values (<= 8)")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--only", nargs="+", default=None, help="projection names to keep (e.g. o down+silu)")
-    ap.add_argument("--calls", type=int, default=20, help="minimum calls captured per graph")
-    ap.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
+    replay_options(ap, reps=30)
     ap.add_argument("--sweep", action="store_true", help="also time a config grid on the Llama-3-8B shapes")
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--sweep-reps", type=int, default=20)

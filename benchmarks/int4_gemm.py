@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, json_option, print_plan,  # noqa: E402
-                    run_plan, short_error, time_calls, try_time)
+                    replay_options, run_plan, short_error, time_calls, try_time)
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -200,8 +200,7 @@ def parse_args(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--only", nargs="+", default=None, help="projection names to keep (e.g. o down)")
-    ap.add_argument("--calls", type=int, default=20, help="minimum calls captured per graph")
-    ap.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
+    replay_options(ap, reps=30)
     ap.add_argument("--splits", type=int, nargs="*", default=None,
                     help="also time the M <= 64 kernel at these split-K values (e.g. 1 2 4 8 16 32)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")

@@ -42,6 +42,20 @@ def json_option(ap, filename: str, without_out: str | None = None) -> None:
     ap.add_argument("--json", default=os.path.join(out_dir, filename) if out_dir else without_out)
 
 
+def replay_options(ap, reps: int = 20) -> None:
+    """A script's --calls (calls captured per graph, at least) and --reps (timed replays, median)."""
+    ap.add_argument("--calls", type=int, default=20, help="calls captured per graph (at least)")
+    ap.add_argument("--reps", type=int, default=reps, help="graph replays timed (median)")
+
+
+def parse_positive(ap, argv, sizes: str):
+    """ap.parse_args(argv), refusing any value of --<sizes>, --calls or --reps below 1."""
+    args = ap.parse_args(argv)
+    if any(v < 1 for v in getattr(args, sizes)) or args.calls < 1 or args.reps < 1:
+        ap.error(f"--{sizes}, --calls and --reps must be positive")
+    return args
+
+
 def write_json(path: str, result: dict) -> None:
     """`result` as indented JSON at `path`, its folder made first."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
