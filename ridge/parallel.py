@@ -158,6 +158,19 @@ def destroy_tensor_parallel(tp: TensorParallel) -> None:
         dist.destroy_process_group()
 
 
+def meet_before_leaving(tp: TensorParallel, timeout_s: float) -> bool:
+    """Wait (at most timeout_s) until every rank is here, on the group's host (gloo) side: ranks
+    that torchrun started exit on their own, and one that tears its group down while a peer is
+    still connected can take that peer's gloo threads down with it. False when a rank never came."""
+    if tp.size == 1 or not dist.is_initialized():
+        return True
+    try:
+        dist.monitored_barrier(group=tp.host_group or tp.group, timeout=datetime.timedelta(seconds=timeout_s))
+        return True
+    except RuntimeError:
+        return False
+
+
 def abort_tensor_parallel(tp: TensorParallel) -> None:
     """Abort the group's communicators from another thread, so that work waiting on a rank that
     died (an NCCL kernel spinning on the GPU) returns with an error instead of hanging."""

@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ridge.config import EngineConfig, ModelConfig
-from ridge.parallel import RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel, launched
+from ridge.parallel import (RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel, launched,
+                            meet_before_leaving)
 from ridge.runner.step_broadcast import BroadcastChannel
 from ridge.runner.step_message import (STOP, SETUP, encode_plan, encode_setup, encode_stop, max_message_bytes,
                                        read_message)
@@ -270,6 +271,8 @@ class WorkerPool:
         deadline = time.monotonic() + STOP_JOIN_S
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        if not self.procs and self.failure is None:      # torchrun's ranks leave the group together
+            meet_before_leaving(self.tp, STOP_JOIN_S)
         self._kill()
         self._release(failed=self.failure is not None)
 
@@ -351,6 +354,7 @@ def serve_launched(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
         channel = open_channel(tp, job.one_host, ring_slot_bytes(cfg))
         try:
             serve_steps(dataclasses.replace(cfg, device=device), model_cfg, tp, channel, None)
+            meet_before_leaving(tp, STOP_JOIN_S)     # rank 0 stopped it: leave the group with rank 0
         finally:
             channel.close()
     finally:
