@@ -141,6 +141,25 @@ def test_instrumentation_leaves_the_model_as_it_was(tiny_llm, roofline_env):
     assert [m.backend for m in runner.model.modules() if hasattr(m, "backend")] == backends
 
 
+def test_a_decode_batch_larger_than_one_prefill_step_is_built_chunk_by_chunk(tiny_llm, monkeypatch):
+    """Batch x context over max_num_batched_tokens (a 70B engine's 4,096 at batch 64, 1k context):
+    the prompts are filled over several scheduler steps; over max_num_seqs it is refused, named."""
+    from ridge.roofline.measure import build_decode, release
+
+    sched = tiny_llm.engine.scheduler
+    monkeypatch.setattr(sched, "max_num_batched_tokens", 32)
+    built = build_decode(tiny_llm.engine, 3, 30)
+    try:
+        assert [(i.num_new_tokens, i.start) for i in built.sched.scheduled] == [(1, 29)] * 3
+        assert all(s.num_tokens == 30 for s in built.seqs)
+    finally:
+        release(tiny_llm.engine, built)
+    monkeypatch.setattr(sched, "max_num_seqs", 2)
+    with pytest.raises(ValueError, match="did not admit all 3 prompts of 29 tokens"):
+        build_decode(tiny_llm.engine, 3, 30)
+    assert not sched.has_work()
+
+
 def test_a_new_layer_type_is_timed_by_its_own_cost_name(tiny_llm, roofline_env):
     """A module type the roofline has never heard of, stating its own cost(), gets its own timed
     row (hooks found through cost(), named by it) without any roofline edit."""

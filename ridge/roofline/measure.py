@@ -136,16 +136,21 @@ def build_decode(engine, batch: int, context: int, sampling: str = "greedy", see
     if engine.scheduler.has_work():
         raise ValueError("engine: roofline steps need an idle engine")
     ids = _add(engine, _prompts(engine.model_cfg.vocab_size, batch, context - 1, seed), sampling)
-    sched = engine.scheduler.schedule()
-    if len(sched.scheduled) != batch or any(i.num_new_tokens != context - 1 for i in sched.scheduled):
-        release(engine, ids)
-        raise ValueError(f"max_num_batched_tokens/max_num_seqs: the scheduler did not admit all {batch} "
-                         f"prompts of {context - 1} tokens at once")
-    # As if the prefill had run: its tokens are in the cache and one token was sampled.
-    g = torch.Generator().manual_seed(seed + 7)
-    for item in sched.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        item.seq.token_ids.append(int(torch.randint(3, engine.model_cfg.vocab_size, (1,), generator=g)))
+    # As if the prefills had run, chunk by chunk under max_num_batched_tokens (a decode step's
+    # batch need not fit one prefill step): their tokens are in the cache, one token was sampled.
+    g, filled = torch.Generator().manual_seed(seed + 7), set()
+    while len(filled) < batch:
+        sched = engine.scheduler.schedule()
+        chunks = [i for i in sched.scheduled if id(i.seq) not in filled]
+        if sched.preempted or not chunks:
+            release(engine, ids)
+            raise ValueError(f"max_num_seqs/kv_cache_memory: the scheduler did not admit all {batch} "
+                             f"prompts of {context - 1} tokens")
+        for item in chunks:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if item.seq.num_computed_tokens == context - 1:
+                item.seq.token_ids.append(int(torch.randint(3, engine.model_cfg.vocab_size, (1,), generator=g)))
+                filled.add(id(item.seq))
     sched = engine.scheduler.schedule()
     ok = len(sched.scheduled) == batch and all(
         i.num_new_tokens == 1 and i.start == context - 1 for i in sched.scheduled)
