@@ -64,9 +64,9 @@ def group_size_error(group_size: int, K: int) -> str | None:
     of 32, 64, 128, a multiple of 128, or K (the K tiles, 64 or 128 wide, either hold whole groups
     or lie in one group: one scale row per tile or per word row)."""
     if group_size <= 0 or group_size % PACK:
-        return f"group_size {group_size} must be a positive multiple of {PACK}"
+        return f"must be a positive multiple of {PACK}"
     if group_size not in (32, 64, 128) and group_size != K and group_size % 128:
-        return f"group_size {group_size} not supported (32, 64, 128, a multiple of 128, or K)"
+        return f"must be 32, 64, 128, a multiple of 128, or K = {K}"
     return None
 
 
@@ -94,7 +94,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
                          f"{qweight.shape[0] * PACK} (a multiple of {PACK})")
     error = group_size_error(group_size, K)
     if error:
-        raise ValueError(f"int4_matmul: {error}")
+        raise ValueError(f"int4_matmul: group_size {group_size} {error}")
     groups = groups_of(K, group_size)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t.shape != (groups, N) or t.dtype != x.dtype:
