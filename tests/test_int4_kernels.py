@@ -4,7 +4,8 @@ benchmarks/int4_gemm.py.
 
 On CPU the kernels run under the Triton interpreter (chosen before triton is imported) at small
 odd shapes: N not a multiple of the block, K over several groups and tiles, group_size = K, the
-K tail, uneven split-K ranges, a group size that does not divide K (a short last group). With a GPU the `gpu` tests run the Llama-3-8B shapes.
+K tail, uneven split-K ranges, a group size that does not divide K (a short last group). With a GPU
+the `gpu` tests run the Llama-3-8B shapes and DeepSeek-V2-Lite's short-group down projection.
 
 Error contract, against the fp64 product of the same inputs and the same dequantized weight
 W = (q - z) s: every path multiplies x by q - z exactly (16-bit values, products exact in fp32)
