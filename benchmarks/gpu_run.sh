@@ -65,8 +65,8 @@
 #                  -> lat_mla_fp8_b{1,64}.json
 #   moe-int4       pytest -m gpu -k int4 tests/test_moe_gpu.py, then the DeepSeek-V2-Lite shape with --quantization
 #                  int4 (INT4 dense and MLA GEMMs, weight-only INT4 experts): ridge bench latency at batch 1 and 64
-#                  -> lat_mla_int4_b{1,64}.json. The dense first layer's intermediate size is 11008 there, not
-#                  V2-Lite's 10944, which group 128 does not divide (INT4 linears refuse it; 0.6% of one layer)
+#                  -> lat_mla_int4_b{1,64}.json. V2-Lite's own shape: the dense first layer's down projection
+#                  (K = 10944 = 85.5 groups of 128) runs with a short last group
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
 #   tp-tests       pytest -m gpu tests/test_tp_gpu.py: TP = 2 on two GPUs over NCCL (float32 tokens = TP = 1 = HF; bf16
@@ -281,10 +281,8 @@ part moe-fp8 150 560 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py -k f
     --kv-cache-memory 8e9 --no-progress --json $OUT/lat_mla_fp8_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
 part moe-int4 150 560 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py -k int4 2>&1 | tee -a $TESTS | tail -4; \
     python3 -m ridge.utils.random_checkpoint /tmp/dsv2lite-int4 --arch deepseekv2 --preset deepseek-v2-lite \
-    --config-only > /dev/null && python3 -c \"import json; p = '/tmp/dsv2lite-int4/config.json'; \
-    c = json.load(open(p)); c['intermediate_size'] = 11008; json.dump(c, open(p, 'w'))\" && \
-    for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 --load-format dummy \
-    --quantization int4 --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 \
+    --config-only > /dev/null && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 \
+    --load-format dummy --quantization int4 --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 \
     --kv-cache-memory 8e9 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
 part moe-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part moe-kernels 120 500 "python3 benchmarks/moe.py kernels ${MOE_ARGS:-} --json $OUT/moe_kernels.json 2>&1 | grep -v -i warn"

@@ -75,9 +75,10 @@ def test_sampling_options_prefix_caching_and_n_match_the_float_twin(checkpoints)
 @pytest.mark.skipif(not INTERPRET, reason="the kernel path on CPU tensors runs under TRITON_INTERPRET=1")
 def test_kernel_path_generates_what_the_reference_path_does(tmp_path, monkeypatch):
     """bf16 activations: the Triton kernels (skinny at decode, the GEMM for the 45-token prefill)
-    against the dequantize-then-matmul reference; greedy tokens identical."""
-    # one layer of 128 x 256: the interpreter runs every program of every call (seconds a call)
-    src = make_random_checkpoint(str(tmp_path / "small"), preset="tiny-g128", hidden_size=128, intermediate_size=256,
+    against the dequantize-then-matmul reference; greedy tokens identical. down_proj's K = 320 is 2.5
+    groups of 128: the kernels' short last group in the engine."""
+    # one layer of 128 x 320: the interpreter runs every program of every call (seconds a call)
+    src = make_random_checkpoint(str(tmp_path / "small"), preset="tiny-g128", hidden_size=128, intermediate_size=320,
                                  num_hidden_layers=1)
     engine = llm(src, quantization="int4", dtype="bfloat16")
     prompts = [prompt_of(n, salt=i) for i, n in enumerate((5, 40))]
@@ -86,6 +87,34 @@ def test_kernel_path_generates_what_the_reference_path_does(tmp_path, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "0")          # int4_matmul reads the knob per call: the reference
     reference = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)]
     assert kernel == reference
+
+
+def test_a_short_last_group_loads_and_matches_the_float_twin(tmp_path):
+    """Intermediate size 320 = 2.5 groups of 128 (DeepSeek-V2-Lite's dense 10944 = 85.5): down_proj's
+    tables have 3 rows. quantization='int4' gives the RTN twin's logits and tokens; a compressed-tensors
+    and a GPTQ act-order checkpoint (AutoGPTQ's and compressed-tensors' ceil(K / G) groups) load their
+    reference weights exactly; one whose scales have K // G rows is refused naming the tensor."""
+    from test_int4_formats import build, dequantized_layers, merged_reference, quantize_checkpoint, variant
+    src = make_random_checkpoint(str(tmp_path / "src"), preset="tiny-g128", intermediate_size=320, num_hidden_layers=1)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    rtn = {name: F.dequantize(*F.quantize_rtn(w, 128, torch.float32), 128)
+           if name.endswith("proj.weight") else w for name, w in weights.items()}
+    int4, twin = llm(src, quantization="int4"), llm(plain_checkpoint(src, str(tmp_path / "rtn"), rtn))
+    assert int4.engine.runner.model.model.layers[0].mlp.down_proj.scales.shape == (3, 256)
+    prompts, greedy = [prompt_of(9, salt=1), prompt_of(30, salt=2)], SamplingParams(temperature=0, max_tokens=6,
+                                                                                     ignore_eos=True, logprobs=2)
+    assert_same(run(int4, prompts, greedy), run(twin, prompts, greedy), "int4 at load, K = 320")
+    for fmt, opts in (("compressed-tensors", {}), ("gptq", {"desc_act": True})):
+        path = str(tmp_path / fmt)
+        ref = quantize_checkpoint(src, path, fmt, 128, torch.float16, **opts)
+        for name, w in dequantized_layers(build(path)).items():
+            assert torch.equal(w, merged_reference(ref, name)), (fmt, name)
+    down = "model.layers.0.mlp.down_proj.weight_scale"
+    bad = variant(tmp_path, str(tmp_path / "compressed-tensors"), "floor",
+                  lambda t: t.update({down: t[down][:, :2].contiguous()}))
+    with pytest.raises(ValueError, match=r"weight_scale' has shape \(256, 2\), expected \(256, 3\) .*group size 128; "
+                                         r"K = 320: the last of 3 groups holds 64 inputs"):
+        build(bad)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ benchmarks/int4_gemm.py.
 
 On CPU the kernels run under the Triton interpreter (chosen before triton is imported) at small
 odd shapes: N not a multiple of the block, K over several groups and tiles, group_size = K, the
-K tail, uneven split-K ranges. With a GPU the `gpu` tests run the Llama-3-8B shapes.
+K tail, uneven split-K ranges, a group size that does not divide K (a short last group). With a GPU
+the `gpu` tests run the Llama-3-8B shapes and DeepSeek-V2-Lite's short-group down projection.
 
 Error contract, against the fp64 product of the same inputs and the same dequantized weight
 W = (q - z) s: every path multiplies x by q - z exactly (16-bit values, products exact in fp32)
@@ -42,8 +43,8 @@ def make(M, N, K, G, dtype, seed, device="cpu"):
     (16: GPTQ's v1 zero point + 1), positive scales ~ 1 / sqrt(K)."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randint(0, 16, (K, N), generator=g, device=device)
-    scales = ((torch.rand(K // G, N, generator=g, device=device) + 0.5) * 0.3 / K**0.5).to(dtype)
-    zeros = torch.randint(0, 17, (K // G, N), generator=g, device=device).to(dtype)
+    scales = ((torch.rand(-(-K // G), N, generator=g, device=device) + 0.5) * 0.3 / K**0.5).to(dtype)
+    zeros = torch.randint(0, 17, (-(-K // G), N), generator=g, device=device).to(dtype)
     x = (2 * torch.randn(M, K, generator=g, device=device)).to(dtype)
     return x, pack_int4(q), scales, zeros
 
@@ -101,6 +102,28 @@ def test_group_size_k_with_a_k_tail_and_leading_dims():
     check(y.reshape(6, 24), x, qw, s, z, 200, False, "G=K")
     x, qw, s, z = make(70, 24, 200, 200, FP16, seed=4)
     check(run_kernel(x, qw, s, z, 200), x, qw, s, z, 200, True, "gemm G=K")
+
+
+@interpreted
+@pytest.mark.parametrize("M,K,G,split", [(1, 320, 128, 1), (3, 320, 128, 2), (2, 200, 32, 1), (40, 320, 128, 0),
+                                         (40, 200, 32, 0)])
+def test_short_last_group(M, K, G, split):
+    """G not dividing K (DeepSeek-V2-Lite's down projection: K = 10944 = 85.5 x 128): the tables have
+    ceil(K / G) rows and the kernels give the unpadded product. K = 320 (an odd multiple of the 64-wide
+    interpreter tile: whole tiles, the last group half a group; split 2 leaves a masked empty tile),
+    K = 200 (the last tile 8 wide, per-word-row scales at G = 32). split 0: int4_matmul's choice (the
+    GEMM at M = 40). The weights past K are never read: padding the same tables with garbage rows
+    (and x with zeros) gives the same output."""
+    x, qw, s, z = make(M, 24, K, G, BF16, seed=K + M)
+    assert s.shape == (-(-K // G), 24)
+    y = run_kernel(x, qw, s, z, G, gv.Int4GemvConfig(16, 64, 1, 1, split) if split else None)
+    check(y, x, qw, s, z, G, weight_rounded=G < 64 or M > gv.GEMV_MAX_M, what=f"M={M} K={K} G={G} split={split}")
+    kp = -(-K // G) * G                            # the padded product: x zero past K, any weights there
+    qp = torch.cat([qw, torch.full((kp // 8 - K // 8, 24), -1, dtype=torch.int32)])
+    xp = torch.nn.functional.pad(x, (0, kp - K))
+    check(y, xp, qp, s, z, G, weight_rounded=G < 64 or M > gv.GEMV_MAX_M, what="against the padded product")
+    with pytest.raises(ValueError, match=rf"scales must be \[{-(-K // G)}, 24\]"):
+        int4_matmul(x, qw, s[:-1], z, G)             # a table with K // G rows: the short group missing
 
 
 @interpreted
@@ -246,6 +269,21 @@ def test_gpu_llama8b_shapes(M, dtype):
                   what=f"{name} M={M} G={G} {dtype} seed {seed}")
             if M <= gv.GEMV_MAX_M:   # split-K: the same bits on every call, counters left zeroed
                 assert torch.equal(y, run_kernel(x, qw, s, z, G)), seed
+    torch.cuda.synchronize()
+    assert not gv.ticket_counters(torch.device("cuda")).any()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 8, 32, 64, 300])
+def test_gpu_short_last_group_v2_lite_down(M):
+    """DeepSeek-V2-Lite's dense down projection, N = 2048, K = 10944 = 85.5 groups of 128: the K-tail
+    tile half full and the tables' last row a half group, on the compiled kernels (PTX dequant)."""
+    seed = fresh_seed()
+    for dtype in (BF16, FP16):
+        x, qw, s, z = make(M, 2048, 10944, 128, dtype, seed, device="cuda")
+        y = run_kernel(x, qw, s, z, 128)
+        check(y, x, qw, s, z, 128, weight_rounded=M > gv.GEMV_MAX_M, what=f"M={M} {dtype} seed {seed}")
     torch.cuda.synchronize()
     assert not gv.ticket_counters(torch.device("cuda")).any()
 

@@ -249,8 +249,6 @@ def test_moe_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         LLM(str(bad), device="cpu", show_progress=False)
-    with pytest.raises(ValueError, match=r"int4.*group size 128.*does not divide the layer's 64 inputs"):
-        LLM(src, device="cpu", show_progress=False, quantization="int4")      # the dense projections' groups
     from ridge.layers.quant.formats import compressed_tensors_config
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2,

@@ -127,11 +127,13 @@ def test_fp8_expert_checkpoint_errors_name_the_tensor(v3_fp8, tmp_path):
 
 # -- INT4 at load --------------------------------------------------------------------------------
 INT4_MODELS = {
-    # every projection's inputs a multiple of the group (128); V2: V2-Lite's layout (q_proj, dense
-    # layer 0, a shared expert), interleaved rotary rows permuted after quantization
+    # every projection's inputs a multiple of the group (128) but V2's dense down projection (320 =
+    # 2.5 groups: a short last group, as V2-Lite's 10944); V2: V2-Lite's layout (q_proj, dense layer 0,
+    # a shared expert), interleaved rotary rows permuted after quantization
     "qwen3moe": dict(arch="qwen3moe", preset="tiny-g128", moe_intermediate_size=128, num_experts=8,
                      num_experts_per_tok=2, norm_topk_prob=True),
-    "deepseekv2": dict(arch="deepseekv2", preset="tiny-g128", moe_intermediate_size=128, v_head_dim=32),
+    "deepseekv2": dict(arch="deepseekv2", preset="tiny-g128", intermediate_size=320, moe_intermediate_size=128,
+                       v_head_dim=32),
 }
 
 

@@ -66,28 +66,34 @@ def test_rtn_grid_exact_zero_point_scale_and_error_bound():
     assert math.isclose(float(s[0, 0]), 3 / 15, rel_tol=1e-6) and int(z[0, 0]) == 5
     assert int(q[0, 0]) == 0 and int(q[0, GROUP - 1]) == 15 and int(q[0, 5]) == 5
     assert float(dequantize(q, s, z, GROUP)[0, 5]) == 0.0
+    q, s, z = quantize_rtn(w[:, :80], GROUP, torch.float32)      # 2.5 groups: the short one on its own range
+    last = w[:, 64:80]
+    assert s.shape == z.shape == (8, 3) and q.shape == (8, 80)
+    assert torch.equal(q[:, :64], quantize_rtn(w, GROUP)[0][:, :64])
+    assert torch.equal(s[:, 2], ((last.amax(1).clamp(min=0) - last.amin(1).clamp(max=0)) / 15).clamp(min=1e-5))
 
 
 # -- AWQ's search ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("tie", [None, (2, 16)])
-def test_awq_never_worse_than_rtn_on_its_calibration_activations(tie):
+@pytest.mark.parametrize("tie,k", [(None, 128), ((2, 16), 128), (None, 144), ((3, 16), 144)])
+def test_awq_never_worse_than_rtn_on_its_calibration_activations(tie, k):
     """The scale search and the clipping search each keep RTN's result unless they beat it, in the
     layer's own objective ||Q(W s) / s x - W x||^2 measured on the calibration activations
-    themselves (the Gram-matrix shortcut the search uses agrees with it)."""
-    x = outlier_activations(2048, 128)
-    w = torch.randn(96, 128) * 0.05
+    themselves (the Gram-matrix shortcut the search uses agrees with it). k = 144: a short last group."""
+    x = outlier_activations(2048, k)
+    w = torch.randn(96, k) * 0.05
     h = x.T @ x / x.shape[0]
     direct = lambda w_eff: float(((x @ (w_eff - w).T) ** 2).sum()) / x.shape[0]    # noqa: E731
     rtn = fake_quantize(w, GROUP)
     assert math.isclose(output_error(rtn, w, h), direct(rtn), rel_tol=1e-4)
     r = search_scale(w, x.abs().mean(0), h, GROUP, tie=tie)
     if tie:     # one scale per kv head and dimension: the query heads of one kv head share it
-        per_head = r.scale.reshape(-1, 2, 16)      # [kv heads, query heads of each, dim]
+        per_head = r.scale.reshape(-1, *tie)       # [kv heads, query heads of each, dim]
         assert torch.equal(per_head[:, 0], per_head[:, 1])
     awq = fake_quantize(w * r.scale, GROUP) / r.scale
     assert math.isclose(r.error, direct(awq), rel_tol=1e-4) and math.isclose(r.rtn_error, direct(rtn), rel_tol=1e-4)
     assert direct(awq) < 0.9 * direct(rtn)            # outlier channels: AWQ clearly helps
     clip = search_clip(w * r.scale, h, GROUP, input_scale=r.scale)
+    assert clip is None or clip.shape == (96, -(-k // GROUP))
     clipped = fake_quantize(w * r.scale, GROUP, clip) / r.scale
     assert direct(clipped) <= direct(awq) * (1 + 1e-6)
 
@@ -204,11 +210,11 @@ def test_quantize_writes_compressed_tensors_that_ridge_loads(checkpoints, tmp_pa
 def test_rtn_checkpoint_is_what_quantization_at_load_computes(tmp_path):
     """`ridge quantize --method rtn` and `--quantization int4` share one quantizer
     (ridge/layers/quant/formats.py): on a float32 checkpoint at group 128 the tables, so the logits,
-    are the same."""
+    are the same; down_proj's 320 inputs end in a short group (written as ceil(320 / 128) = 3)."""
     from ridge import LLM
     from ridge.quantize import quantize
 
-    src = make_random_checkpoint(str(tmp_path / "src"), preset="tiny-g128")
+    src = make_random_checkpoint(str(tmp_path / "src"), preset="tiny-g128", intermediate_size=320)
     quantize(src, str(tmp_path / "rtn"), method="rtn", group_size=128, show_progress=False, device="cpu")
     written = LLM(str(tmp_path / "rtn"), device="cpu", show_progress=False, enable_prefix_caching=False)
     at_load = LLM(src, device="cpu", show_progress=False, quantization="int4", enable_prefix_caching=False)
@@ -261,7 +267,7 @@ def test_bad_arguments_are_refused_with_a_clear_error(checkpoints, tmp_path, tex
     src, out = checkpoints("llama"), str(tmp_path / "out")
     base = ["quantize", "--model", src, "--out", out, "--device", "cpu", "--calib-files", text_file,
             "--group-size", str(GROUP)]
-    cases = [(["--group-size", "48"], "group_size: 48 does not divide 64"),
+    cases = [(["--group-size", "48"], "group_size: 48 must be 32, 64, 128, a multiple of 128, or K = 64"),
              (["--group-size", "0"], "group_size: must be an integer >= 1"),
              (["--calib-files", str(tmp_path / "missing.py")], "calib_files: no such file"),
              (["--calib-tokens", "1"], "calib_tokens: must be an integer >= 2"),

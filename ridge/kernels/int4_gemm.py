@@ -13,9 +13,10 @@ weight in HBM is 4x smaller than bf16 but the MMAs are the same, so from M ~ 128
 is cuBLAS bf16 parity, not a multiple (BENCHMARKS.md has where it stands).
 
 Scales: one row per tile when group_size >= BLOCK_K (the K loop is aligned to groups: BLOCK_K
-divides group_size), else one row per packed word row. The dequantized weight is rounded to the
-activation dtype before the MMA (relative 2^-9 for bf16, per weight, averaging out over K), as
-a dequantize-then-bf16-matmul would; accumulation is fp32.
+divides group_size), else one row per packed word row. A short last group (group_size not dividing
+K) is the tables' last row, read by the masked K-tail tile (x past the true K loads 0): no padding.
+The dequantized weight is rounded to the activation dtype before the MMA (relative 2^-9 for bf16,
+per weight, averaging out over K), as a dequantize-then-bf16-matmul would; accumulation is fp32.
 
 Block sizes are autotuned over a short list (each config is a compile at first use; the picks
 are cached beside the compiled kernels, `cache_results`). When the M x N tiles cannot fill the

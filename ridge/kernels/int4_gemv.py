@@ -30,6 +30,9 @@ Design (per program: BLOCK_M rows of x, BLOCK_N output columns, one K range):
     eight dots accumulate sum x (q - z) in fp32 and the tile adds that times the group's scale.
     Only group_size < BLOCK_K (32, 64) scales each weight before the dot ((q - z) * s rounded once
     to the activation dtype, per-row scale tiles).
+    A group_size that does not divide K leaves a short last group: its table row is read by the
+    last tile, which is the K tail (masked on the true K: x past K loads 0, packed rows past K / 8
+    are not read), so the weights and x need no padding in memory.
   * Coalescing: a tile row is BLOCK_N contiguous int32 (512 B at 128 columns), 16-byte cp.async
     per thread, 4 pipeline stages; scales and zeros are one row of BLOCK_N per tile. One warp per
     64 columns (168 registers, no spills at BLOCK_N 128 / 2 warps for sm_90).

@@ -3,9 +3,15 @@
 ridge's one in-memory layout for 4-bit weights, whatever format the checkpoint used (AWQ, GPTQ,
 compressed-tensors; the layer's weight_loader converts): for a layer with K inputs and N outputs,
   qweight  int32 [K // 8, N]: nibble j (bits 4j..4j+3) of qweight[i, n] is q[8 i + j, n], q in [0, 15];
-  scales   [K // group_size, N], the activation dtype;
-  zeros    [K // group_size, N], the activation dtype: the zero point z (an integer value);
+  scales   [ceil(K / group_size), N], the activation dtype;
+  zeros    [ceil(K / group_size), N], the activation dtype: the zero point z (an integer value);
   W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n].
+K is a multiple of 8 (one word); group_size need not divide it: a short last group (DeepSeek-V2-Lite's
+dense intermediate 10944 = 85.5 x 128) is one more row of scales and zeros, quantized as if padded
+with zero weights (formats.quantize_rtn). Nothing is padded in memory: the kernels' K loop already
+masks its last tile on the true K (x loads past K read 0, weight words past K // 8 are not read),
+and a tile's group index k0 // group_size is that last row, so the padded and unpadded sums are the
+same numbers; x reaches the kernel as it is, no padded copy on the hot path.
 Packing along K keeps eight consecutive K elements of one output column in one 32-bit word: a
 tile of the weight is a plain 2-D load with N contiguous (coalesced), and the eight nibbles of a
 word are the eight K values one column's dot product needs next, so they are unpacked in
@@ -48,8 +54,25 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def groups_of(K: int, group_size: int) -> int:
+    """Rows of the scale and zero tables: ceil(K / group_size) (a short last group is a row)."""
+    return -(-K // group_size)
+
+
+def group_size_error(group_size: int, K: int) -> str | None:
+    """Why the kernels cannot run this group size at K inputs, or None: a multiple of PACK, and one
+    of 32, 64, 128, a multiple of 128, or K (the K tiles, 64 or 128 wide, either hold whole groups
+    or lie in one group: one scale row per tile or per word row)."""
+    if group_size <= 0 or group_size % PACK:
+        return f"must be a positive multiple of {PACK}"
+    if group_size not in (32, 64, 128) and group_size != K and group_size % 128:
+        return f"must be 32, 64, 128, a multiple of 128, or K = {K}"
+    return None
+
+
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 [K, N] weight the packed tables stand for (the reference every path matches)."""
+    """The float32 [K, N] weight the packed tables stand for (the reference every path matches);
+    row k reads group k // group_size, so a short last group needs nothing of its own."""
     q = unpack_int4(qweight).float()
     group = torch.arange(q.shape[0], device=q.device) // group_size
     return (q - zeros.float()[group]) * scales.float()[group]
@@ -69,13 +92,13 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     if K % PACK or qweight.shape[0] != K // PACK:
         raise ValueError(f"int4_matmul: x has K = {K} columns; qweight {tuple(qweight.shape)} needs K = "
                          f"{qweight.shape[0] * PACK} (a multiple of {PACK})")
-    if group_size <= 0 or group_size % PACK or K % group_size:
-        raise ValueError(f"int4_matmul: group_size {group_size} must be a multiple of {PACK} dividing K = {K}")
-    if group_size not in (32, 64, 128) and group_size != K and group_size % 128:
-        raise ValueError(f"int4_matmul: group_size {group_size} not supported (32, 64, 128, a multiple of 128, or K)")
+    error = group_size_error(group_size, K)
+    if error:
+        raise ValueError(f"int4_matmul: group_size {group_size} {error}")
+    groups = groups_of(K, group_size)
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if t.shape != (K // group_size, N) or t.dtype != x.dtype:
-            raise ValueError(f"int4_matmul: {name} must be [{K // group_size}, {N}] {x.dtype}, "
+        if t.shape != (groups, N) or t.dtype != x.dtype:
+            raise ValueError(f"int4_matmul: {name} must be [{groups}, {N}] {x.dtype}, "
                              f"got {tuple(t.shape)} {t.dtype}")
     if not (x.device == qweight.device == scales.device == zeros.device):
         raise ValueError("int4_matmul: x, qweight, scales and zeros must be on one device")
@@ -88,7 +111,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
     qweight, scales, zeros in ridge's layout (module docstring); scales and zeros in x's dtype,
     zeros holding integers in [0, 16] (the kernels use them exactly in 16-bit arithmetic).
-    group_size: 32, 64, 128 (or a multiple of 128), or K (one group per column).
+    group_size: 32, 64, 128 (or a multiple of 128), or K (one group per column); it need not divide
+    K (a short last group: one more table row).
     bf16 / fp16 x on CUDA (or on the CPU under TRITON_INTERPRET=1) run the Triton kernels; other
     dtypes and plain CPU tensors run int4_matmul_ref. CUDA-graph capturable after one call on the
     device (the split-K ticket table is allocated on first use, the GEMM autotuned); calls on one

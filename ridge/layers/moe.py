@@ -39,8 +39,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from ridge.kernels.int4_matmul import PACK
 from ridge.kernels.moe_gemm import fused_moe_grouped, fused_moe_ref, fused_moe_small
 from ridge.kernels.moe_quant import FP8_BLOCK, INT4_GROUP, Fp8Experts, Int4Experts
@@ -216,16 +214,15 @@ def quantize_experts(w: torch.Tensor) -> Fp8Experts:
 def quantize_experts_int4(w: torch.Tensor) -> Int4Experts:
     """Float experts [E, N, K] (K a multiple of 8) -> INT4 codes packed along K, scales and zero points
     per group of 128 inputs in w's dtype: min-max round to nearest (ridge/layers/quant/formats.py, the
-    dense layers' grid), expert by expert. A short last group is padded with zeros, which leave its
-    range as it is (the range always holds 0)."""
+    dense layers' grid, whose short last group is quantized padded with zeros), expert by expert."""
     E, N, K = w.shape
     if K % PACK:
         raise ValueError(f"INT4 experts: {K} inputs (w [E={E}, N={N}, K={K}]) are not a multiple of {PACK}, the "
                          f"codes an int32 word packs")
     q, scale, zero = [], [], []
     for e in range(E):
-        qe, se, ze = quantize_rtn(F.pad(w[e], (0, -K % INT4_GROUP)), INT4_GROUP, scale_dtype=w.dtype)
-        q.append(pack_last(qe[:, :K]))
+        qe, se, ze = quantize_rtn(w[e], INT4_GROUP, scale_dtype=w.dtype)
+        q.append(pack_last(qe))
         scale.append(se)
         zero.append(ze.to(w.dtype))
     return Int4Experts(torch.stack(q), torch.stack(scale), torch.stack(zero), K)

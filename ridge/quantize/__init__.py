@@ -27,6 +27,7 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     and the folding want full precision, whatever the checkpoint's)."""
     from ridge import LLM
     from ridge.config import EngineConfig
+    from ridge.kernels.int4_matmul import PACK, group_size_error
     from ridge.quantize.calib import LayerStats, calibration_files, calibration_windows
     from ridge.quantize.checkpoint import (FORMAT, check_out_dir, quantization_config, quantized_tensors,
                                            write_checkpoint)
@@ -58,8 +59,12 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
         return _write_fp8(src, out, engine_settings, show_progress)
     for k, name in ((model_cfg.hidden_size, "qkv_proj and gate_up_proj"), (model_cfg.q_size, "o_proj"),
                     (model_cfg.intermediate_size, "down_proj")):
-        if k % group_size:
-            raise ValueError(f"group_size: {group_size} does not divide {k}, the input features of {name}")
+        if k % PACK:    # an int32 packs 8 codes along K; a group size not dividing K leaves a short last group
+            raise ValueError(f"model: {k}, the input features of {name}, is not a multiple of {PACK} (INT4 packs "
+                             f"{PACK} an int32)")
+        if group_size_error(group_size, k):     # what the INT4 kernels that load the checkpoint run
+            raise ValueError(f"group_size: {group_size} {group_size_error(group_size, k)}, the input features of "
+                             f"{name}")
     files = calibration_files(src, calib_files) if method == "awq" else []
     llm = LLM(src, show_progress=show_progress,
               **{**engine_settings, "enable_prefix_caching": False,

@@ -51,9 +51,15 @@ def clip_weight(w: torch.Tensor, group_size: int, clip: torch.Tensor | None) -> 
     if clip is None:
         return w
     n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
+    g = _grouped(w.float(), group_size)
     lo, hi = g.amin(-1).clamp(max=0) * clip, g.amax(-1).clamp(min=0) * clip
-    return torch.maximum(torch.minimum(g, hi[..., None]), lo[..., None]).reshape(n, k)
+    return torch.maximum(torch.minimum(g, hi[..., None]), lo[..., None]).reshape(n, -1)[:, :k]
+
+
+def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, ceil(K / G), G], a short last group padded with zeros: quantize_rtn's groups
+    (zeros leave a range that holds 0 as it is, and add nothing to an error)."""
+    return torch.nn.functional.pad(t, (0, -t.shape[1] % group_size)).reshape(t.shape[0], -1, group_size)
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None,
@@ -115,20 +121,22 @@ def search_scale(w: torch.Tensor, mean_abs: torch.Tensor, h: torch.Tensor, group
 @torch.no_grad()
 def search_clip(w: torch.Tensor, h: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32,
                 rows: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Per (row, group) clipping ratios [N, K // group_size] for the (already scaled) weight w, or
+    """Per (row, group) clipping ratios [N, ceil(K / group_size)] for the (already scaled) weight w, or
     None where no clipping lowers the layer's objective. `rows` (bool [N]): the rows that may clip;
     `input_scale`: the s that w was scaled by (the error is measured on the original input)."""
     w = w.float()
     n, k = w.shape
-    g = k // group_size
+    g = -(-k // group_size)
     inv = 1.0 / input_scale if input_scale is not None else torch.ones(k, device=w.device)
-    # the diagonal blocks of H: a group's own share of the output error
-    blocks = torch.stack([h[j * group_size:(j + 1) * group_size, j * group_size:(j + 1) * group_size]
+    # the diagonal blocks of H: a group's own share of the output error (H padded with zeros to
+    # whole groups: a short last group's block is its own rows and columns)
+    hp = torch.nn.functional.pad(h, (0, g * group_size - k, 0, g * group_size - k))
+    blocks = torch.stack([hp[j * group_size:(j + 1) * group_size, j * group_size:(j + 1) * group_size]
                           for j in range(g)])
     w_true = w * inv
 
     def group_errors(w_q):
-        e = ((w_q - w) * inv).reshape(n, g, group_size)
+        e = _grouped((w_q - w) * inv, group_size)
         return torch.einsum("ngk,gkl,ngl->ng", e, blocks, e)
 
     ones = torch.ones(n, g, device=w.device)

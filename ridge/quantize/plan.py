@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ridge.kernels.int4_matmul import PACK
 from ridge.quantize.awq import fake_quantize, output_error, search_clip, search_scale
 
 
 @dataclass
 class LinearPlan:
     weight: torch.Tensor                     # float32 [N, K], scales folded in
-    clip: torch.Tensor | None = None         # [N, K // group_size] range ratios, or None
+    clip: torch.Tensor | None = None         # [N, ceil(K / group_size)] range ratios, or None
     report: dict = field(default_factory=dict)
 
 
@@ -31,13 +32,14 @@ class ModelPlan:
 
 
 def check_model(model, group_size: int) -> None:
-    """Every decoder Linear's input width must be a multiple of the group size; say which is not."""
+    """Every decoder Linear's input width must be a multiple of 8 (an int32 packs 8 codes along K);
+    say which is not. The group size need not divide it (a short last group, formats.quantize_rtn)."""
     from ridge.quantize.calib import decoder_linears
 
     for name, lin in decoder_linears(model).items():
-        if lin.weight.shape[1] % group_size:
-            raise ValueError(f"group_size: {group_size} does not divide the {lin.weight.shape[1]} input features "
-                             f"of {name}")
+        if lin.weight.shape[1] % PACK:
+            raise ValueError(f"model: the {lin.weight.shape[1]} input features of {name} are not a multiple of "
+                             f"{PACK} (INT4 packs {PACK} an int32)")
 
 
 def _rows(lin, shard: str) -> slice:

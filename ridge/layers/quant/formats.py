@@ -1,7 +1,9 @@
 """The INT4 checkpoint formats users have, converted to and from ridge's one in-memory layout.
 
 ridge's layout (ridge/kernels/int4_matmul.py): qweight int32 [K // 8, N] packed along K, scales and
-zero points [K // G, N] in the activation dtype, W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+zero points [ceil(K / G), N] in the activation dtype, W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+Where G does not divide K the last group is short and still has its row: AutoGPTQ (math.ceil) and
+compressed-tensors (strategy_cdiv) size their group tables so; AutoAWQ refuses such layers.
 Every format stores the same numbers (4-bit q, one scale and one zero point per group of G inputs
 of an output) in a different word order; the converters below only move nibbles. In each format
 q and z are unsigned 4-bit values in [0, 15] and W = (q - z) * s.
@@ -71,21 +73,20 @@ def unpack_last(packed: torch.Tensor, order=SEQUENTIAL) -> torch.Tensor:
 def quantize_rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32,
                  symmetric: bool = False):
     """Min-max round-to-nearest of w [N, K] in groups of `group_size` along K: (q [N, K] int32 in
-    [0, 15], scales [N, K // G] in scale_dtype, zeros [N, K // G] int32). Asymmetric: the range
-    always holds 0 (as compressed-tensors' min-max observer), so z is in [0, 15]; symmetric: z = 8
-    and s = max |w| / 7.5 (compressed-tensors' signed int4). q is computed with the stored (rounded)
-    scale, so dequantize() is exactly what a reader of the checkpoint computes."""
+    [0, 15], scales [N, ceil(K / G)] in scale_dtype, zeros [N, ceil(K / G)] int32). Asymmetric: the
+    range always holds 0 (as compressed-tensors' min-max observer), so z is in [0, 15]; symmetric:
+    z = 8 and s = max |w| / 7.5 (compressed-tensors' signed int4). q is computed with the stored
+    (rounded) scale, so dequantize() is exactly what a reader of the checkpoint computes. A short
+    last group is quantized padded with zeros, which change neither range (both hold 0)."""
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the {k} inputs")
-    g = w.float().reshape(n, k // group_size, group_size)
+    g = torch.nn.functional.pad(w.float(), (0, -k % group_size)).reshape(n, -1, group_size)
     lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
     span = 2 * torch.maximum(-lo, hi) if symmetric else hi - lo
     scales = (span / MAX_Q).clamp(min=1e-5).to(scale_dtype)
     s = scales.float()
     zeros = torch.full_like(s, 8.0) if symmetric else torch.round(-lo / s).clamp(0, MAX_Q)
     q = (torch.round(g / s.unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0, MAX_Q)
-    return q.reshape(n, k).to(torch.int32), scales, zeros.to(torch.int32)
+    return q.reshape(n, -1)[:, :k].to(torch.int32), scales, zeros.to(torch.int32)
 
 
 def group_index(k: int, group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,7 +109,7 @@ def _check_codes(name: str, t: torch.Tensor, lo: int = 0, hi: int = MAX_Q) -> No
 
 # -- AutoAWQ GEMM ----------------------------------------------------------------------------------
 def pack_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """One layer's AutoAWQ GEMM tensors from q [N, K], scales / zeros [N, K // G]."""
+    """One layer's AutoAWQ GEMM tensors from q [N, K], scales / zeros [N, ceil(K / G)]."""
     _check_codes("q", q), _check_codes("zeros", zeros)
     return {"qweight": pack_last(q.t(), AWQ_ORDER), "qzeros": pack_last(zeros.t(), AWQ_ORDER),
             "scales": scales.t().to(torch.float16).contiguous()}
@@ -148,12 +149,12 @@ def gptq_config(group_size: int, desc_act: bool = False, sym: bool = False, chec
 def pack_compressed_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                             group_size: int) -> dict[str, torch.Tensor]:
     """One layer's compressed-tensors pack-quantized tensors (no module prefix) from q [N, K] in
-    [0, 15], scales [N, K // G] (stored as given: the checkpoint's dtype) and zeros [N, K // G],
+    [0, 15], scales [N, ceil(K / G)] (stored as given: the checkpoint's dtype) and zeros [N, ceil(K / G)],
     or None for a symmetric scheme (z = 8: the signed value's offset, no zero-point tensor)."""
     n, k = q.shape
     _check_codes("q", q)
-    if k % group_size or scales.shape != (n, k // group_size):
-        raise ValueError(f"scales: expected shape {(n, k // group_size)} for q {tuple(q.shape)} and group "
+    if scales.shape != (n, -(-k // group_size)):
+        raise ValueError(f"scales: expected shape {(n, -(-k // group_size))} for q {tuple(q.shape)} and group "
                          f"size {group_size}, got {tuple(scales.shape)}")
     out = {"weight_packed": pack_last(q), "weight_scale": scales.contiguous(),
            "weight_shape": torch.tensor([n, k], dtype=torch.int64)}

@@ -11,10 +11,15 @@ ValueError naming the config.json field, raised before any weight is read.
 checkpoint tensor of its format, under the checkpoint's name, so the model loader dispatches by
 name as for any weight (merged q/k/v and gate/up shards included); but each parameter holds
 ridge's table (ridge/kernels/int4_matmul.py: qweight [K / 8, N] packed along K, scales and zeros
-[K / G, N] in the activation dtype), and its weight_loader converts the checkpoint's tensor into
+[ceil(K / G), N] in the activation dtype), and its weight_loader converts the checkpoint's tensor into
 the shard's columns as it arrives: nothing is held twice. Only the act-order permutation needs
 every tensor of a layer, so it waits for `finish_loading` (called by the loader at the end). The
 LM head and embeddings stay in the activation dtype (configs list lm_head as not converted).
+A group size that does not divide K (DeepSeek-V2-Lite's dense down projection, K = 10944 at G =
+128) leaves a short last group with its own table row, as AutoGPTQ and compressed-tensors store it;
+a checkpoint tensor of any other group count is refused by shape. A tensor-parallel rank's share of
+a checkpoint's groups must be whole groups; quantized at load ('int4'), each rank quantizes its own
+share, so its last group may be short.
 
 Weight bytes: 0.5 per weight, plus a scale and a zero point in the activation dtype per group of
 G inputs: 0.5 + 4 / 128 bytes at G = 128 in bf16, 3.8x fewer than bf16 (the cost model counts it).
@@ -28,7 +33,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ridge.kernels.int4_matmul import PACK, int4_matmul, pack_int4, unpack_int4
+from ridge.kernels.int4_matmul import PACK, group_size_error, groups_of, int4_matmul, pack_int4, unpack_int4
 from ridge.layers.cost import Precision
 from ridge.layers.quant import formats
 from ridge.layers.quant.fp8_linear import Fp8Config
@@ -229,12 +234,16 @@ class Int4Linear:
             raise ValueError(f"quantization_config: {groups} cannot be split across {layer.tp.size} tensor-parallel "
                              f"ranks (each holds a share of the inputs); load it with tensor_parallel_size 1")
         self.group_size = g = config.group_for(k)
-        if k % g or k % PACK:
-            field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
-                     else f"quantization_config.group_size: {config.group_size}")
-            share = f" (its share on each of {layer.tp.size} tensor-parallel ranks)" if layer.parallel == "row" else ""
-            raise ValueError(f"{field} does not divide the layer's {k} inputs{share} (or they are not a multiple of "
-                             f"{PACK})")
+        field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
+                 else f"quantization_config.group_size: {config.group_size}")
+        share = f" (its share on each of {layer.tp.size} tensor-parallel ranks)" if layer.parallel == "row" else ""
+        if k % PACK:
+            raise ValueError(f"quantization: INT4 packs {PACK} inputs an int32, and the layer's {k} inputs{share} "
+                             f"are not a multiple of {PACK}")
+        if group_size_error(g, k):
+            raise ValueError(f"{field}: the INT4 kernels' group size {group_size_error(g, k)} (the layer's inputs)")
+        if k % g and share and fmt != "int4":     # a rank would hold part of a checkpoint's group
+            raise ValueError(f"{field} does not divide the layer's {k} inputs{share}")
         packs_n = fmt in ("awq", "gptq") or (fmt == "compressed-tensors" and not config.symmetric)
         bad = [size for _, size in layer.shards.values() if packs_n and size % PACK]
         if bad:
@@ -247,8 +256,9 @@ class Int4Linear:
         if not config.has_g_idx:
             names.pop("g_idx", None)
         shards = len(layer.shards)
-        tables = {"qweight": torch.empty(k // PACK, n, dtype=torch.int32), "scales": torch.empty(k // g, n),
-                  "zeros": torch.full((k // g, n), 8.0), "g_idx": torch.empty(shards, k, dtype=torch.int32),
+        groups = groups_of(k, g)
+        tables = {"qweight": torch.empty(k // PACK, n, dtype=torch.int32), "scales": torch.empty(groups, n),
+                  "zeros": torch.full((groups, n), 8.0), "g_idx": torch.empty(shards, k, dtype=torch.int32),
                   "shape": torch.empty(shards, 2, dtype=torch.int64)}
         shard_ids = list(layer.shards) if shards > 1 else None
         self.names = {}
@@ -273,11 +283,12 @@ class Int4Linear:
         k, g, fmt = layer.in_features, self.group_size, self.config.format
         loaded = self.rank_part(layer, role, loaded, shard_id)
         shape, dtypes, what = _SPECS[(fmt, role)]
-        expected = shape(k, n, k // g)
+        expected = shape(k, n, groups_of(k, g))
         if loaded.dtype not in dtypes:
             raise ValueError(f"has dtype {loaded.dtype}, expected {' or '.join(map(str, dtypes))} ({what})")
         if tuple(loaded.shape) != expected:
-            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected} ({what}, group size {g})")
+            short = f"; K = {k}: the last of {groups_of(k, g)} groups holds {k % g} inputs" if k % g else ""
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected} ({what}, group size {g}{short})")
         t, cols = loaded.to(param.device), slice(off, off + n)
         index = list(layer.shards).index(shard_id) if shard_id is not None else 0
         if role == "g_idx":
