@@ -9,7 +9,7 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.layers.attention import attention_keys_read, attention_pairs
-from ridge.layers.cost import StepShape
+from ridge.layers.cost import OpCost, StepShape
 from ridge.utils.ceilings import Ceilings
 from ridge.roofline.costs import (PRECISIONS, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
                                   step_costs, utilization)
@@ -178,11 +178,18 @@ def test_prediction_and_utilization_by_hand():
     assert floor == pytest.approx(sum(c.bytes for c in costs) / 1e12)
     flops = 3072 + 65536 + 1152 + 10240 + 32768 + 131072 + 2560 + 65536 + 131072 + 1024
     nbytes = 512 + 4992 + 34304 + 2560 + 6144 + 17408 + 68096 + 3072 + 34304 + 69888 + 4096
-    mfu, mbu = utilization(costs, 1e-6, ceil, "bf16")
-    assert mfu == pytest.approx(flops / 1e-6 / 100e12)
+    mfu, mbu = utilization(costs, 1e-6, ceil)
+    # every op at the bf16 roof but sampling's 1,024 FLOPs (fp32 math) at the fp32 roof
+    assert [c.flops for c in costs if c.compute != "bf16"] == [1024] and costs[-1].compute == "fp32"
+    assert mfu == pytest.approx(((flops - 1024) / 100e12 + 1024 / 50e12) / 1e-6)
     assert mbu == pytest.approx(nbytes / 1e-6 / 1e12)
     with pytest.raises(ValueError):
-        utilization(costs, 0.0, ceil, "bf16")
+        utilization(costs, 0.0, ceil)
+    # each op's FLOPs at its own matrix peak: FP8 projections at the FP8 roof, the rest at bf16's
+    mixed = [OpCost("gate_up", "gemm", 2e9, 0.0, compute="fp8"), OpCost("attention", "attention", 1e9, 0.0),
+             OpCost("all_reduce", "collective", 0.0, 0.0, compute="link")]
+    ceil8 = fake_ceilings(bf16=100e12, fp8=200e12)
+    assert utilization(mixed, 1e-4, ceil8)[0] == pytest.approx((2e9 / 200e12 + 1e9 / 100e12) / 1e-4)
 
 
 def test_prediction_grid_behaves_like_napkin_math():

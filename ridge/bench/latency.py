@@ -197,7 +197,7 @@ def decode_utilization(engine, steps, with_flops: bool) -> dict:
         costs += step_costs(model, shape)
         seconds += t
     compute = matrix_compute(shape)
-    mfu, mbu = utilization(costs, seconds, ceilings, compute)
+    mfu, mbu = utilization(costs, seconds, ceilings)
     n = len(steps)
     return dict(
         mbu=mbu,

@@ -6,7 +6,7 @@ predictions, and a report with a roofline plot.
     rep = run_roofline(device="cpu", batches=[1, 8], context=512, prefill_len=512, out="roofline-out")
 
 Costs are the model's own (`model.cost(step)`, ridge/layers/cost.py), summed by `step_costs`;
-`utilization(costs, seconds, ceilings, compute)` is the one place MBU and MFU are computed.
+`utilization(costs, seconds, ceilings)` is the one place MBU and MFU are computed.
 
 Names are imported on first use, so that `ridge --help` does not pay for torch.
 """

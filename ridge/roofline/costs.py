@@ -155,16 +155,18 @@ def kv_bytes_per_token(model, step: StepShape = ONE_TOKEN) -> float:
     return sum(c.kv_bytes for c in costs) / 2
 
 
-def utilization(costs: list[OpCost], seconds: float, ceilings, compute: str) -> tuple[float, float]:
-    """(MFU, MBU) of ops that took `seconds`: their FLOPs over the measured matrix peak of
-    `compute`, their minimum bytes (weights + KV + activations) over the measured bandwidth. The
-    only place either is computed. Tensor-parallel costs are one rank's: its GPU's MFU and MBU
-    (collectives add no FLOPs or HBM bytes, only time)."""
+def utilization(costs: list[OpCost], seconds: float, ceilings) -> tuple[float, float]:
+    """(MFU, MBU) of ops that took `seconds`. MFU: the time the ops' FLOPs take at their matrix
+    peaks, each op at its own (FP8 projections at the FP8 roof, attention at bf16's), over
+    `seconds` (a step of one precision: its FLOPs over that peak); MBU: their minimum bytes
+    (weights + KV + activations) over the measured bandwidth. The only place either is computed.
+    Tensor-parallel costs are one rank's: its GPU's MFU and MBU (collectives add no FLOPs or HBM
+    bytes, only time)."""
     if seconds <= 0:
         raise ValueError(f"seconds: must be > 0, got {seconds}")
-    flops = sum(c.flops for c in costs)
+    at_peak = sum(c.flops / ceilings.peak(c.compute) for c in costs if c.flops)
     nbytes = sum(c.bytes for c in costs)
-    mfu = flops / seconds / ceilings.peak(compute)
+    mfu = at_peak / seconds
     mbu = nbytes / seconds / ceilings.bandwidth
     return mfu, mbu
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ridge.utils.ceilings import Ceilings
 from ridge.layers.cost import OpCost, StepShape
-from ridge.roofline.costs import imbalance, matrix_compute, utilization
+from ridge.roofline.costs import imbalance, utilization
 from ridge.roofline.predict import launch_floor_s, launches_s
 
 # A kernel must last at least two launch overheads for the launching side to stay ahead of the
@@ -252,7 +252,7 @@ def diagnose_step(name: str, shape: StepShape, costs: list[OpCost], timing, ceil
     idle = max(0.0, step - ops_time - host - other)
     flops = sum(c.flops for c in costs)
     nbytes = sum(c.bytes for c in costs)
-    mfu, mbu = utilization(costs, step, ceilings, matrix_compute(shape))
+    mfu, mbu = utilization(costs, step, ceilings)
     predicted = sum(r.ideal_s for r in rows)
     for r in rows:
         r.advice = op_advice(r, ceilings, name, graph)
