@@ -63,11 +63,29 @@ SMOKE = dict(input=16, output=4, batches=(1, 4), serve_in=16, serve_out=4, promp
              reps=1, batched_tokens=128)
 
 
-def engine_flags(a) -> list[str]:
+def engine_flags(a, batched_tokens: int | None = None) -> list[str]:
     flags = list(ROUNDS[a.round][1]) + shlex.split(a.engine_args or "")
     if not a.smoke:
         flags += ["--load-format", "dummy"]
-    return ["--model", a.model] + flags + ["--max-num-batched-tokens", str((SMOKE if a.smoke else FULL)["batched_tokens"])]
+    budget = batched_tokens or (SMOKE if a.smoke else FULL)["batched_tokens"]
+    return ["--model", a.model] + flags + ["--max-num-batched-tokens", str(budget)]
+
+
+def serve_token_budget(a, L: dict) -> tuple[int, str]:
+    """The server's max_num_batched_tokens, from this round's own batch-1 latency run: a decode step
+    that carries a prefill chunk must stay under the ITL SLO (with 20% to spare), so the chunk gets
+    what the SLO leaves after a decode step, at the measured prefill cost a token (Sarathi-Serve's
+    chunk sizing; the latency runs' 4,096 put a whole 1,024-token prompt in one step, 140 ms or more
+    on a 70B). Multiples of 16, at least 32; a larger running batch's decode step leaves less."""
+    path = os.path.join(a.out, "latency_b1.json")
+    if not os.path.exists(path):
+        return L["batched_tokens"], "no batch-1 latency run to size the chunk from: the latency runs' budget"
+    r = json.load(open(path))
+    ttft, step = r["ttft_s"]["median"], 1 / r["decode_tokens_per_s"]
+    per_token = ttft / L["input"]
+    tokens = min(L["batched_tokens"], max(32, int((0.8 * SLO_ITL - step) / per_token) // 16 * 16))
+    return tokens, (f"batch-1 decode step {step * 1e3:.1f} ms + {tokens} prefill tokens at {per_token * 1e3:.3f} ms "
+                    f"each, against {0.8 * SLO_ITL * 1e3:.0f} ms (80% of the ITL SLO)")
 
 
 # ----------------------------------------------------------------------------- 1. one engine, in a child
@@ -153,8 +171,8 @@ def predicted_spec_itl(llm, rep, L: dict) -> float:
 
 
 # ----------------------------------------------------------------------------- 2. the serve sweep
-def start_server(a, log_path: str):
-    cmd = [sys.executable, "-m", "ridge", "serve", *engine_flags(a), "--port", "0", "--log-level", "info"]
+def start_server(a, log_path: str, batched_tokens: int):
+    cmd = [sys.executable, "-m", "ridge", "serve", *engine_flags(a, batched_tokens), "--port", "0", "--log-level", "info"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
@@ -189,11 +207,13 @@ def keeps_slo(s: dict | None) -> bool:
 
 
 def serve_sweep(a, deadline: float) -> dict:
-    """Bisect the rate ladder: each probe's time is about prompts / rate plus the last request's
-    decode; a probe that would not end before `deadline` is not started."""
+    """Bisect the rate ladder on one server (its token budget from serve_token_budget): each probe's
+    time is about prompts / rate plus the last request's decode; a probe that would not end before
+    `deadline` is not started."""
     L = (SMOKE if a.smoke else FULL)
     rates = sorted(a.rates or L["rates"])
-    proc, url = start_server(a, os.path.join(a.out, "serve.log"))
+    budget, why = serve_token_budget(a, L)
+    proc, url = start_server(a, os.path.join(a.out, "serve.log"), budget)
     probes, lo, hi = [], 0, len(rates) - 1
     try:
         bench_serve(url, L, math.inf, 2, os.path.join(a.out, "serve_warmup.json"), 600)
@@ -219,7 +239,7 @@ def serve_sweep(a, deadline: float) -> dict:
         proc.wait(30)
     met = [p for p in probes if p.get("keeps_p99_slo")]
     best = max(met, key=lambda p: p["rate"]) if met else None
-    return dict(rates=rates, probes=probes, chosen_rate=best and best["rate"],
+    return dict(rates=rates, max_num_batched_tokens=budget, budget_from=why, probes=probes, chosen_rate=best and best["rate"],
                 goodput_tok_s=best and best["goodput_tok_s"],
                 note=None if best else "no rate of the sweep kept p99 TTFT < 500 ms and p99 ITL < 50 ms")
 
@@ -270,7 +290,8 @@ def summarize_round(a, serve: dict | None) -> dict:
                 roofline_first_target=first, spec=dict(alpha=ALPHA, k=K, **{
                     f"{n}_acceptance_rate": (load(f"latency_b1_{n}.json") or {}).get("spec_acceptance_rate")
                     for n in ("spec", "ngram")}) if a.round == 3 else None,
-                serve=serve and {k: serve[k] for k in ("chosen_rate", "note", "probes")})
+                serve=serve and {k: serve.get(k) for k in ("max_num_batched_tokens", "budget_from", "chosen_rate", "note",
+                                                             "probes")})
 
 
 def run_round(a) -> int:

@@ -58,6 +58,12 @@ def test_smoke_round_writes_every_figure_with_its_prediction(round0):
         r = json.loads((round0 / f"serve_rate{p['rate']:g}.json").read_text())["summary"]
         assert p["ttft_p99_s"] == r["ttft_s"]["p99"] and p["goodput_tok_s"] == r["goodput_output_throughput"]
     assert (figs["goodput_tok_s"]["measured"] is None) == (sweep["chosen_rate"] is None)
+    # the server's chunk is sized from the round's batch-1 run (decode step + chunk under 80% of the SLO)
+    b1 = json.loads((round0 / "latency_b1.json").read_text())
+    per_token, step = b1["ttft_s"]["median"] / 16, 1 / b1["decode_tokens_per_s"]
+    budget = sweep["max_num_batched_tokens"]
+    assert budget == min(128, max(32, int((0.04 - step) / per_token) // 16 * 16)) and "prefill tokens" in sweep["budget_from"]
+    assert s["serve"]["max_num_batched_tokens"] == budget
     assert s["roofline_first_target"] and all(v.startswith("attack") for v in s["roofline_first_target"].values())
 
 
