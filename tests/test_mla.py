@@ -97,8 +97,6 @@ def test_deepseek_errors_are_clear(checkpoints, tmp_path):
     src = checkpoints("deepseekv3")
     with pytest.raises(ValueError, match="latent attention"):
         LLM(src, device="cpu", show_progress=False, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="int4.*does not divide"):      # the test model's 64-wide projections
-        LLM(src, device="cpu", show_progress=False, quantization="int4")
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     cfg = json.loads((bad / "config.json").read_text())
