@@ -18,7 +18,9 @@ per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 di
 from __future__ import annotations
 
 import bisect
+import logging
 import os
+import time
 
 import torch
 
@@ -28,6 +30,8 @@ from ridge.kernels.moe_quant import format_name, tiles_fit
 from ridge.kernels.moe_route import align_by_expert
 from ridge.utils.device_cache import cache_root, cached, device_key
 from ridge.utils.graph_timing import graph_time_us
+
+log = logging.getLogger("ridge")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3),
@@ -96,6 +100,7 @@ def measure(w13, w2, top_k: int) -> dict:
     small_gu = [c for c in SMALL_CANDIDATES if tiles_fit(w13, c.block_k)]
     small_dn = [c for c in SMALL_CANDIDATES if tiles_fit(w2, small_down_block_k(c, top_k))]
     for T in BUCKETS:
+        t0 = time.perf_counter()
         x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
         experts = torch.rand(T, E, generator=gen, device=w13.device).topk(top_k, dim=-1).indices.to(torch.int32)
         weights = torch.rand(T, top_k, generator=gen, device=w13.device)
@@ -122,6 +127,8 @@ def measure(w13, w2, top_k: int) -> dict:
         best = min(timings, key=lambda k: timings[k]["us"])
         table[str(T)] = {"path": timings[best].get("path", "small"), "tiles": [list(t) for t in timings[best]["tiles"]],
                          "us": {k: v["us"] for k, v in timings.items()}}
+        log.info("MoE tiles (E=%d, H=%d, top-k %d, %s): %d tokens, %d paths timed in %.1f s", E, H, top_k,
+                 format_name(w13) or str(w13.dtype), T, len(timings), time.perf_counter() - t0)
     return table
 
 
