@@ -284,11 +284,11 @@ part moe-int4 150 590 "( [ \"${MOE_INT4_TESTS:-1}\" = 0 ] || python3 -m pytest -
     | tee -a $TESTS | tail -4 ); python3 -m ridge.utils.random_checkpoint /tmp/dsv2lite-int4 --arch deepseekv2 --preset deepseek-v2-lite \
     --config-only > /dev/null && python3 -c \"import logging, time; t = time.time(); from ridge import LLM; \
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
-    LLM('/tmp/dsv2lite-int4', load_format='dummy', quantization='int4', max_model_len=1024, kv_cache_memory=8e9, \
+    LLM('/tmp/dsv2lite-int4', load_format='dummy', quantization='int4', max_model_len=1024, kv_cache_memory=8 << 30, \
     show_progress=False); print(f'INT4 V2-Lite engine ready in {time.time() - t:.0f} s (first load: expert tiles tuned)')\" \
     2>&1 | grep -v -i warn | grep -E 'MoE tiles|ready|Error|error' | tail -20 && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 \
     --load-format dummy --quantization int4 --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 \
-    --kv-cache-memory 8e9 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
+    --kv-cache-memory 8589934592 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
 part moe-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part moe-kernels 120 500 "python3 benchmarks/moe.py kernels ${MOE_ARGS:-} --json $OUT/moe_kernels.json 2>&1 | grep -v -i warn"
 part moe-e2e 200 580 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-30b-a3b --arch qwen3moe --preset qwen3-30b-a3b \
