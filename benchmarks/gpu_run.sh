@@ -65,7 +65,8 @@
 #                  -> lat_mla_fp8_b{1,64}.json
 #   moe-int4       pytest -m gpu -k int4 tests/test_moe_gpu.py, then the DeepSeek-V2-Lite shape with --quantization
 #                  int4 (INT4 dense and MLA GEMMs, weight-only INT4 experts): the engine's first load timed (it
-#                  tunes the expert tiles, cached for the next), then ridge bench latency at batch 1 and 64
+#                  tunes the expert tiles, cached for the next; its log -> moe_int4_load.log; MOE_INT4_TESTS=0
+#                  skips the tests), then ridge bench latency at batch 1 and 64
 #                  -> lat_mla_int4_b{1,64}.json. V2-Lite's own shape: the dense first layer's down projection
 #                  (K = 10944 = 85.5 groups of 128) runs with a short last group
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
@@ -286,7 +287,8 @@ part moe-int4 150 590 "( [ \"${MOE_INT4_TESTS:-1}\" = 0 ] || python3 -m pytest -
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
     LLM('/tmp/dsv2lite-int4', load_format='dummy', quantization='int4', max_model_len=1024, kv_cache_memory=8 << 30, \
     show_progress=False); print(f'INT4 V2-Lite engine ready in {time.time() - t:.0f} s (first load: expert tiles tuned)')\" \
-    2>&1 | grep -v -i warn | grep -E 'MoE tiles|ready|Error|error' | tail -20 && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 \
+    > $OUT/moe_int4_load.log 2>&1; grep -v -i warn $OUT/moe_int4_load.log | grep -E 'MoE tiles|ready|Error' | tail -20; \
+    grep -q 'engine ready' $OUT/moe_int4_load.log && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 \
     --load-format dummy --quantization int4 --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 \
     --kv-cache-memory 8589934592 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
 part moe-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py 2>&1 | tee -a $TESTS | tail -15"

@@ -189,7 +189,9 @@ def _small_down_kernel(Hid, W, WS, WZ, Experts, RouteW, Out, N, K: tl.constexpr,
     tl.store(Out + t * stride_ot + offs_n, round_to(total, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
 
 
-@triton.jit
+# the pair and block counts change with every batch: specialized (== 1, divisible by 16) they would
+# compile the kernel again the first time a count lands on each case, mid-serving
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _grouped_kernel(X, W, WS, WZ, Out, PairOrder, BlockExpert, RouteW, Scratch, Arrived, num_pairs, N, K, x_rows_per_pair,
                     num_blocks, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -11,7 +11,8 @@ replayed from a CUDA graph as decode steps are: the small path's gate/up and dow
 separately, and the grouped path's per tile height (alignment included) with its top-k sum in
 the down GEMM and after it (the fused sum saves a launch but puts its reads in the GEMM's
 epilogue, exposed: measured, it wins at tens of tokens and loses at thousands), and keeps the
-fastest path and tiles per bucket. Within a bucket a token's output does not depend on the rest of
+fastest path and tiles per bucket (a candidate far slower than the best so far is dropped after
+one call: graph_time_us). Within a bucket a token's output does not depend on the rest of
 the batch; across buckets the path or tiles may change, and with them the last bit. A step of T tokens takes the choice of the first bucket >= T. Cached
 per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 dispatch.
 """
@@ -61,12 +62,20 @@ def _tiles(kind: str, raw) -> tuple:
     return tuple(cls(*t) for t in raw)
 
 
-def _us(fn) -> float:
+def _us(fn, bound_us: float = float("inf")) -> float:
     try:
-        return graph_time_us(fn)
+        return graph_time_us(fn, bound_us=bound_us)
     except Exception:  # noqa: BLE001  a tile this GPU cannot fit (shared memory, registers)
         torch.cuda.synchronize()       # but a fault (which leaves the context unusable) is raised here
         return float("inf")
+
+
+def _time_all(candidates, run) -> dict:
+    """{candidate: us}, each timed against the best so far (graph_time_us stops early on a loser)."""
+    us: dict = {}
+    for c in candidates:
+        us[c] = _us(lambda c=c: run(c), min(us.values(), default=float("inf")))
+    return us
 
 
 def _raise_clocks(device: torch.device, seconds: float = 0.2) -> None:
@@ -107,23 +116,21 @@ def measure(w13, w2, top_k: int) -> dict:
         hidden = torch.randn(T * top_k, two_i // 2, generator=gen, device=w13.device).to(w13.dtype)
         timings: dict[str, dict] = {}
         if T <= SMALL_MAX_TOKENS:
-            gu = {c: _us(lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (c, small_dn[0])))
-                  for c in small_gu}
+            gu = _time_all(small_gu, lambda c: fused_moe_small(x, w13, w2, weights, experts, (c, small_dn[0])))
             best_gu = _best(gu)
-            dn = {c: _us(lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c)))
-                  for c in small_dn}
+            dn = _time_all(small_dn, lambda c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c)))
             timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
         for bm in sorted({c.block_m for c in GROUPED_CANDIDATES}):
             cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and tiles_fit(w13, c.block_k)]
             layout = align_by_expert(experts, E, bm)
-            gu = {c: _us(lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)) for c in cands}
-            dn = {c: _us(lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
-                  for c in cands}
+            gu = _time_all(cands, lambda c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True))
+            dn = _time_all(cands, lambda c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
             tiles = (_best(gu), _best(dn))
             for path in GROUPED_PATHS:         # the whole path as the layer runs it, as the small path is timed
                 run = lambda fuse=path == "grouped": fused_moe_grouped(x, w13, w2, weights, experts, tiles,  # noqa: E731
                                                                        fuse_sum=fuse)
-                timings[f"{path}{bm}"] = dict(path=path, tiles=tiles, us=_us(run))
+                best_us = min((t["us"] for t in timings.values()), default=float("inf"))
+                timings[f"{path}{bm}"] = dict(path=path, tiles=tiles, us=_us(run, best_us))
         best = min(timings, key=lambda k: timings[k]["us"])
         table[str(T)] = {"path": timings[best].get("path", "small"), "tiles": [list(t) for t in timings[best]["tiles"]],
                          "us": {k: v["us"] for k, v in timings.items()}}
