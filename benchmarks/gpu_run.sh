@@ -67,7 +67,8 @@
 #                  int4 (INT4 dense and MLA GEMMs, weight-only INT4 experts): the engine's first load timed (it
 #                  tunes the expert tiles, cached for the next; its log -> moe_int4_load.log; MOE_INT4_TESTS=0
 #                  skips the tests), then ridge bench latency at batch 1 and 64
-#                  -> lat_mla_int4_b{1,64}.json. V2-Lite's own shape: the dense first layer's down projection
+#                  -> lat_mla_int4_b{1,64}.json; then ridge roofline on it, decode batch 1 and 64 (where the INT4 step's
+#                  time goes) -> roofline_mla_int4.{md,json}. V2-Lite's own shape: the dense first layer's down projection
 #                  (K = 10944 = 85.5 groups of 128) runs with a short last group
 #   moe-mixtral    benchmarks/moe.py e2e on the Mixtral-8x7B shape (94 GB of bf16 weights: an H200), batch 1
 #                  -> moe_mixtral.json
@@ -290,7 +291,11 @@ part moe-int4 150 590 "( [ \"${MOE_INT4_TESTS:-1}\" = 0 ] || python3 -m pytest -
     > $OUT/moe_int4_load.log 2>&1; grep -v -i warn $OUT/moe_int4_load.log | grep -E 'MoE tiles|ready|Error' | tail -20; \
     grep -q 'engine ready' $OUT/moe_int4_load.log && for b in 1 64; do python3 -m ridge bench latency --model /tmp/dsv2lite-int4 \
     --load-format dummy --quantization int4 --batch-size \$b --input-len 128 --output-len 64 --num-iters 2 --max-model-len 1024 \
-    --kv-cache-memory 8589934592 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done"
+    --kv-cache-memory 8589934592 --no-progress --json $OUT/lat_mla_int4_b\$b.json 2>&1 | grep -v -i warn | tail -8; done && \
+  python3 -m ridge roofline --model /tmp/dsv2lite-int4 --load-format dummy --quantization int4 --batch 1 64 --context 1024 \
+    --prefill-len 128 --max-model-len 2048 --kv-cache-memory 8589934592 --out /tmp/roofline-mla-int4 2>&1 | grep -v -i warn \
+    | tail -40 && cp /tmp/roofline-mla-int4/report.md $OUT/roofline_mla_int4.md && \
+  cp /tmp/roofline-mla-int4/report.json $OUT/roofline_mla_int4.json"
 part moe-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_moe_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part moe-kernels 120 500 "python3 benchmarks/moe.py kernels ${MOE_ARGS:-} --json $OUT/moe_kernels.json 2>&1 | grep -v -i warn"
 part moe-e2e 200 580 "python3 -m ridge.utils.random_checkpoint /tmp/qwen3-30b-a3b --arch qwen3moe --preset qwen3-30b-a3b \
