@@ -214,6 +214,41 @@ def test_ceilings_cache(roofline_env, monkeypatch, tmp_path):
     c = ce.load_ceilings("cpu", remeasure=True)
     assert len(made) == 2 and c.bandwidth == 2e9 and ce.load_ceilings("cpu").bandwidth == 2e9
 
+class _Kineto:
+    """A kineto raw event as _attribute_uncorrelated reads it."""
+    def __init__(self, name, start, duration, stream=7, cpu=False):
+        self._name, self._start, self._dur, self._stream, self._cpu = name, start, duration, stream, cpu
+
+    def name(self): return self._name                                       # noqa: E704
+    def start_ns(self): return self._start                                  # noqa: E704
+    def duration_ns(self): return self._dur                                 # noqa: E704
+    def device_type(self): return "DeviceType.CPU" if self._cpu else "DeviceType.CUDA"  # noqa: E704
+    def device_index(self): return 0                                        # noqa: E704
+    def device_resource_id(self): return self._stream                       # noqa: E704
+
+
+def test_a_kernel_launched_early_by_pdl_counts_from_the_end_of_the_kernel_before_it():
+    """A PDL dependent starts while the kernel before it runs and waits; that wait is the earlier
+    kernel's time. Another stream's overlap is real concurrency and stays."""
+    from types import SimpleNamespace
+    from collections import defaultdict
+    from ridge.roofline.timeline import _attribute_uncorrelated
+
+    events = [_Kineto("ridge.rep/0", 0, 10_000, cpu=True),
+              _Kineto("int4_gemm", 100, 1_000),                 # 100 .. 1100
+              _Kineto("rmsnorm", 900, 250),                     # launched early: busy 1100 .. 1150
+              _Kineto("cublas_gemm", 1_200, 300),               # not a Triton launch: clips what follows
+              _Kineto("rmsnorm", 1_400, 200),                   # busy 1500 .. 1600
+              _Kineto("shared_expert", 1_000, 400, stream=9)]   # another stream: all 400 counted
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    times, counts = defaultdict(float), defaultdict(int)
+    launches = [("int4_gemm", "down_proj"), ("rmsnorm", "norm"), ("rmsnorm", "norm"), ("shared_expert", "shared")]
+    _attribute_uncorrelated(prof, times, counts, launches)
+    assert times[0, "down_proj"] == pytest.approx(1_000e-9)
+    assert times[0, "norm"] == pytest.approx(150e-9) and counts[0, "norm"] == 2
+    assert times[0, "shared"] == pytest.approx(400e-9)
+
+
 # -- known character, measured on this CPU ---------------------------------------------------------
 def _measure(fn_by_label: dict, device="cpu", reps=3):
     def step(tl):

@@ -7,7 +7,11 @@ step never overlap.
     repetition under torch.profiler counts the torch calls (dispatches) each op makes.
   - CUDA: the ranges are torch.profiler `record_function` ranges; each kernel is attributed to
     the innermost range that launched it, and an op's time is the sum of its kernels' device
-    durations. The whole step is timed without instrumentation, with CUDA events; the step time
+    durations. A kernel launched early by programmatic dependent launch (PDL: ridge's Triton
+    kernels let the next kernel start while they finish) counts from the end of the kernel before
+    it on its stream: until then it only waits (griddepcontrol.wait), and that time is the earlier
+    kernel's, which would otherwise be counted twice (a multi-wave GEMM's last wave showed up as
+    hundreds of microseconds of RMSNorm). The whole step is timed without instrumentation, with CUDA events; the step time
     minus the kernels' busy time is launch/idle time (host work, launch gaps, synchronisation).
 """
 from __future__ import annotations
@@ -191,7 +195,9 @@ def _attribute_uncorrelated(prof, times, counts, launches: list[tuple[str, str]]
     """Kernels the profiler could not tie to a CPU range (Triton's, see triton_launch_log) are
     dropped from prof.events(), but kineto's raw records keep them: match each kernel's device
     events, in start order, to its logged launches, in launch order, which name the op; the rep
-    is the one running on the host when the kernel started (each rep ends with a device sync)."""
+    is the one running on the host when the kernel started (each rep ends with a device sync).
+    Each kernel's time starts no earlier than the end of the kernels before it on its stream (PDL:
+    module docstring)."""
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if raw is None:
         return
@@ -208,15 +214,21 @@ def _attribute_uncorrelated(prof, times, counts, launches: list[tuple[str, str]]
         labels[name].append(label)
     reps = sorted((start_ns(e), int(e.name()[len(REP_PREFIX):])) for e in events
                   if e.name().startswith(REP_PREFIX) and str(e.device_type()).endswith("CPU"))
-    kernels = sorted((e for e in events if not str(e.device_type()).endswith("CPU") and labels.get(e.name())),
-                     key=start_ns)
-    for e in kernels:
+    device_events = sorted((e for e in events if not str(e.device_type()).endswith("CPU")
+                            and not e.name().startswith((OP_PREFIX, REP_PREFIX))), key=start_ns)
+    stream_end: dict[tuple, int] = {}
+    for e in device_events:
+        stream = (e.device_index(), e.device_resource_id())
+        t, end = start_ns(e), start_ns(e) + duration_ns(e)
+        busy_from = max(t, stream_end.get(stream, t))
+        stream_end[stream] = max(end, stream_end.get(stream, end))
+        if not labels.get(e.name()):
+            continue
         label = labels[e.name()].popleft()
-        t = start_ns(e)
         rep = next((r for lo, r in reversed(reps) if lo <= t), None)
         if rep is None or not label:
             continue
-        times[rep, label] += duration_ns(e) / 1e9
+        times[rep, label] += max(0, end - busy_from) / 1e9
         counts[rep, label] += 1
 
 
