@@ -332,14 +332,14 @@ def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
 
 
 class Slow:
-    """Proposes the right tokens (a recorded continuation), but slowly."""
+    """Proposes the right tokens (a recorded continuation), but slowly: each proposal moves the
+    engine's step clock on by `seconds` (no real sleep, so no CPU load can make it look fast)."""
 
-    def __init__(self, records):
-        self.records = records
+    def __init__(self, records, clock, seconds=10.0):
+        self.records, self.clock, self.seconds = records, clock, seconds
 
     def propose(self, seqs, limits):
-        import time
-        time.sleep(0.3)         # far above a plain step of the demo model, even on a loaded CPU
+        self.clock.offset += self.seconds
         return Proposal([self.records[tuple(s.token_ids[:s.num_prompt_tokens])][s.num_output_tokens:][:lim]
                          for s, lim in zip(seqs, limits)])
 
@@ -347,13 +347,32 @@ class Slow:
         pass
 
 
-def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain):
+class _ShiftedClock:
+    """The engine's time module, perf_counter moved on by offset seconds."""
+
+    def __init__(self):
+        import time
+        self.offset, self._time = 0.0, time
+
+    def perf_counter(self):
+        return self._time.perf_counter() + self.offset
+
+    def monotonic(self):
+        return self._time.monotonic()
+
+
+def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain, monkeypatch):
     """All drafts are accepted, but proposing takes longer than the tokens it saves: the step clock
     turns speculation off at that batch size (probing again every PROBE steps)."""
+    import ridge.engine.engine as engine_module
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     want = demo_plain.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
     spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=256, speculative_config=NGRAM)
-    spec.engine.speculator.proposer = Slow({tuple(PROMPTS[3]): want})
+    clock = _ShiftedClock()
+    monkeypatch.setattr(engine_module, "time", clock)
+    # a draft step emits at most k + 1 = 5 tokens in 10 s of the clock: 2 s a token, which no plain
+    # step of the demo model takes
+    spec.engine.speculator.proposer = Slow({tuple(PROMPTS[3]): want}, clock)
     out = spec.generate([PROMPTS[3]], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
     assert 1 <= out.metrics.num_drafts <= 4 and out.metrics.num_accepted_tokens == 4 * out.metrics.num_drafts
