@@ -317,3 +317,28 @@ def test_roofline_reports_uneven_expert_load(checkpoints):
     small = StepShape((1,) * 4, (9,) * 4)
     rep = diagnose_step("decode", small, merge(model.cost(small)), timing, ceil, 4, 9, 1)
     assert not any("uneven" in n for n in rep.notes)
+
+
+def test_the_expert_plan_times_only_the_buckets_a_step_can_reach(monkeypatch, tmp_path):
+    """The plan is measured for steps up to the engine's budget (and one bucket past the small path);
+    a later engine with a larger budget measures only the buckets the cache lacks."""
+    import ridge.layers.moe_tuning as mt
+
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
+    asked = []
+
+    def fake_measure(w13, w2, top_k, buckets):
+        asked.append(tuple(buckets))
+        tiles = [list(mt.GROUPED_CANDIDATES[0])] * 2
+        return {str(b): {"path": "grouped", "tiles": tiles, "us": {"grouped": float(b)}} for b in buckets}
+
+    monkeypatch.setattr(mt, "measure", fake_measure)
+    w13, w2 = torch.empty(4, 32, 16), torch.empty(4, 16, 16)
+    plan = mt.moe_plan(w13, w2, 2, max_tokens=100)
+    assert asked == [(1, 2, 4, 8, 16, 32, 64, 128)] and plan.buckets[-1] == 128
+    assert plan.us[plan.buckets[1]] == {"grouped": 2.0}
+    assert mt.moe_plan(w13, w2, 2, max_tokens=4).buckets[-1] == 128 and len(asked) == 1   # all cached
+    assert mt.buckets_for(4)[-1] == 32              # past the small path's 16 tokens
+    full = mt.moe_plan(w13, w2, 2)
+    assert asked[1] == tuple(b for b in mt.BUCKETS if b > 128) and full.buckets == list(mt.BUCKETS)
+    assert full.choice(100_000) == full.table[mt.BUCKETS[-1]] and full.choice(3) == full.table[4]

@@ -82,6 +82,7 @@ class FusedMoE(nn.Module):
             self.register_buffer("w2_scale", torch.ones(num_experts, h, expert_size // FP8_BLOCK, dtype=torch.float32))
             self.w13_weight.takes_fp8_blocks = self.w2_weight.takes_fp8_blocks = True
         self.plan = None            # MoePlan on CUDA, measured at load
+        self.max_step_tokens: int | None = None     # the engine's step budget: larger batches are not tuned
         self.routed: torch.Tensor | None = None
 
     fp8 = property(lambda self: self.quant == "fp8")
@@ -124,7 +125,7 @@ class FusedMoE(nn.Module):
         w13, w2 = self.weights()
         if w13.device.type == "cuda":
             from ridge.layers.moe_tuning import moe_plan
-            self.plan = moe_plan(w13, w2, self.top_k)
+            self.plan = moe_plan(w13, w2, self.top_k, self.max_step_tokens)
 
     def weights(self):
         """(w13, w2) as the kernels take them: float tensors, Fp8Experts or Int4Experts."""

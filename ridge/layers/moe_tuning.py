@@ -13,8 +13,10 @@ the down GEMM and after it (the fused sum saves a launch but puts its reads in t
 epilogue, exposed: measured, it wins at tens of tokens and loses at thousands), and keeps the
 fastest path and tiles per bucket (a candidate far slower than the best so far is dropped after
 one call: graph_time_us). Within a bucket a token's output does not depend on the rest of
-the batch; across buckets the path or tiles may change, and with them the last bit. A step of T tokens takes the choice of the first bucket >= T. Cached
-per device under RIDGE_CACHE_DIR/moe like the roofline's ceilings and the FP8 dispatch.
+the batch; across buckets the path or tiles may change, and with them the last bit. A step of T
+tokens takes the choice of the first bucket >= T. Only the buckets the engine's step budget
+(max_num_batched_tokens) reaches are timed; cached per device under RIDGE_CACHE_DIR/moe like the
+roofline's ceilings and the FP8 dispatch, a larger budget later adds the buckets it lacks.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, GroupedTiles
                                     fused_moe_small, grouped_gemm, small_down_block_k)
 from ridge.kernels.moe_quant import format_name, tiles_fit
 from ridge.kernels.moe_route import align_by_expert
-from ridge.utils.device_cache import cache_root, cached, device_key
+from ridge.utils.device_cache import cache_root, device_key, read_json, write_json
 from ridge.utils.graph_timing import graph_time_us
 
 log = logging.getLogger("ridge")
@@ -50,11 +52,12 @@ class MoePlan:
 
     def __init__(self, table: dict[int, tuple[str, tuple]], us: dict[int, dict] | None = None):
         self.table = table
+        self.buckets = sorted(table)
         self.us = us or {}          # bucket -> {path: measured microseconds}
 
     def choice(self, tokens: int) -> tuple[str, tuple]:
-        i = min(bisect.bisect_left(BUCKETS, tokens), len(BUCKETS) - 1)
-        return self.table[BUCKETS[i]]
+        i = min(bisect.bisect_left(self.buckets, tokens), len(self.buckets) - 1)
+        return self.table[self.buckets[i]]
 
 
 def _tiles(kind: str, raw) -> tuple:
@@ -99,7 +102,17 @@ def _best(timings: dict) -> tuple:
     return min(timings, key=timings.get)
 
 
-def measure(w13, w2, top_k: int) -> dict:
+def buckets_for(max_tokens: int | None) -> tuple[int, ...]:
+    """The buckets a step of at most max_tokens tokens can choose from (all of them for None), and
+    at least one past the small path's reach, so that a larger call (a decode graph captured past
+    the budget) still finds the grouped path."""
+    if max_tokens is None:
+        return BUCKETS
+    top = max(max_tokens, SMALL_MAX_TOKENS + 1)
+    return BUCKETS[:min(bisect.bisect_left(BUCKETS, top), len(BUCKETS) - 1) + 1]
+
+
+def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
     """{bucket: {"path", "tiles", "us": {...}}} for one expert shape on its GPU (module docstring)."""
     E, two_i, H = w13.shape
     gen = torch.Generator(device=w13.device).manual_seed(E * 31 + H)
@@ -108,7 +121,7 @@ def measure(w13, w2, top_k: int) -> dict:
     # quantized experts: only tiles whose K widths fit the scale blocks or groups
     small_gu = [c for c in SMALL_CANDIDATES if tiles_fit(w13, c.block_k)]
     small_dn = [c for c in SMALL_CANDIDATES if tiles_fit(w2, small_down_block_k(c, top_k))]
-    for T in BUCKETS:
+    for T in buckets:
         t0 = time.perf_counter()
         x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
         experts = torch.rand(T, E, generator=gen, device=w13.device).topk(top_k, dim=-1).indices.to(torch.int32)
@@ -139,12 +152,18 @@ def measure(w13, w2, top_k: int) -> dict:
     return table
 
 
-def moe_plan(w13, w2, top_k: int) -> MoePlan:
+def moe_plan(w13, w2, top_k: int, max_tokens: int | None = None) -> MoePlan:
     """The plan for this expert shape (float weights, Fp8Experts or Int4Experts: each format its own
-    key) on its GPU, from the per-device cache or measured now."""
+    key) on its GPU, for steps of at most max_tokens tokens (the engine's max_num_batched_tokens; a
+    bucket no step reaches is not timed): from the per-device cache, the buckets it lacks measured
+    now and added to it."""
     E, two_i, H = w13.shape
     dtype = str(w13.dtype).removeprefix("torch.") + format_name(w13)
-    name = f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}.json"
-    table = cached(os.path.join(cache_root(), "moe", name), VERSION, lambda: measure(w13, w2, top_k))
+    path = os.path.join(cache_root(), "moe", f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}.json")
+    table = read_json(path, VERSION) or {}
+    missing = tuple(b for b in buckets_for(max_tokens) if str(b) not in table)
+    if missing:
+        table.update(measure(w13, w2, top_k, missing))
+        write_json(path, VERSION, table)
     return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},
                    {int(t): e["us"] for t, e in table.items()})

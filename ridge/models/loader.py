@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
+from ridge.layers.moe import FusedMoE
 from ridge.layers.norm import RMSNorm
 from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, Fp8BlockWeight, fp8_config_of
 from ridge.layers.quant.fp8_linear import Fp8Config, keeps_float_copies
@@ -70,9 +71,10 @@ def checkpoint_files(path: str) -> list[str]:
 def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend, max_position: int, show_progress: bool = True,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None,
-               tp: TensorParallel = SINGLE) -> torch.nn.Module:
+               tp: TensorParallel = SINGLE, max_step_tokens: int | None = None) -> torch.nn.Module:
     """The model of `path`, on `device`; with tensor parallelism (`tp`) this rank's share of it: each
-    parameter's weight_loader keeps its rank's part of every tensor streamed to it."""
+    parameter's weight_loader keeps its rank's part of every tensor streamed to it. max_step_tokens
+    (the engine's step budget) bounds the batches the expert kernels' plan is measured for."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     fp8, quant = fp8_config_of(cfg.quantization_config), None
@@ -98,6 +100,9 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
             model = model_class(cfg.architecture)(cfg, backend, max_position, tp)
     finally:
         torch.set_default_dtype(default)
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            m.max_step_tokens = max_step_tokens
     if load_format == "dummy":
         if isinstance(quant, Fp8Config):
             # the float weights are still shapes here: their size says whether bf16 copies may stay

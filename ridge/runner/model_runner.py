@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization,
-                                tp=self.tp)
+                                tp=self.tp, max_step_tokens=cfg.max_num_batched_tokens)
         # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
         self.kv_cache, self.kv_scales, self.decode_graphs, self.verify_graphs = None, None, None, None
         self.warm_up_seconds = 0.0
