@@ -209,3 +209,17 @@ def test_make_baseline_is_valid_bash():
     src = open(path).read()
     assert "5e4f924" in src and "git archive" in src
     assert "/.baseline/" in open(os.path.join(ROOT, ".gitignore")).read().split()
+
+
+def test_kernel_sass_reads_a_kernel_loop_without_a_gpu(tmp_path):
+    """benchmarks/kernel_sass.py compiles for sm_90a on this CPU (compiled kernels: not under the
+    interpreter, so in a process of its own): the bf16 small gate/up kernel's loop is found, does
+    one FMA a weight at least, and spills nothing."""
+    import json
+    out = tmp_path / "ks.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_sass.py"), "--kernels", "small gate/up",
+                    "--formats", "bf16", "--json", str(out)], check=True, env=env, capture_output=True, timeout=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["spill_bytes"] == 0 and 0 < row["registers"] <= 255
+    assert row["loop"].get("FFMA", 0) >= row["weights_per_thread"] > 0
