@@ -86,8 +86,15 @@ def hottest_loop(sass: str) -> dict[str, int]:
     return dict(ops.most_common())
 
 
+def _int4_planes(sig: dict, consts: dict) -> None:
+    """The small path's INT4 kernels (ridge/kernels/moe_int4.py) take ASM where the others take FMT."""
+    del sig["FMT"], consts["FMT"]
+    sig["ASM"], consts["ASM"] = "constexpr", True
+
+
 def small_gate_up(fmt: int, s: dict, block_n=16, block_k=128, warps=4, stages=3):
     from ridge.kernels.moe_gemm import _small_gate_up_kernel
+    from ridge.kernels.moe_int4 import _small_gate_up_int4_kernel
     sig = dict(X="*bf16", W="*i32" if fmt == 2 else "*bf16", WS="*bf16", WZ="*bf16", Experts="*i32", Out="*bf16",
                inter="i32", K="constexpr", TOP_K="constexpr", stride_xt="i32", stride_we="i32", stride_wn="i32",
                stride_se="i32", stride_sn="i32", stride_ot="i32", BLOCK_N="constexpr", BLOCK_K="constexpr",
@@ -95,11 +102,14 @@ def small_gate_up(fmt: int, s: dict, block_n=16, block_k=128, warps=4, stages=3)
     consts = dict(K=s["H"], TOP_K=s["top_k"], BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EMULATE_RNE=False,
                   PDL=True, FMT=fmt)
     weights = 2 * block_n * block_k // (32 * warps)          # gate and up, a thread's share of one K step
-    return _small_gate_up_kernel, sig, consts, warps, stages, weights
+    if fmt == 2:
+        _int4_planes(sig, consts)
+    return _small_gate_up_int4_kernel if fmt == 2 else _small_gate_up_kernel, sig, consts, warps, stages, weights
 
 
 def small_down(fmt: int, s: dict, block_n=16, block_k=16, warps=4, stages=3):
     from ridge.kernels.moe_gemm import _small_down_kernel
+    from ridge.kernels.moe_int4 import _small_down_int4_kernel
     sig = dict(Hid="*bf16", W="*i32" if fmt == 2 else "*bf16", WS="*bf16", WZ="*bf16", Experts="*i32", RouteW="*fp32",
                Out="*bf16", N="i32", K="constexpr", TOP_K="constexpr", stride_hp="i32", stride_we="i32",
                stride_wn="i32", stride_se="i32", stride_sn="i32", stride_ot="i32", BLOCK_TK="constexpr",
@@ -108,7 +118,10 @@ def small_down(fmt: int, s: dict, block_n=16, block_k=16, warps=4, stages=3):
     tk = 1 << (s["top_k"] - 1).bit_length()
     consts = dict(K=s["I"], TOP_K=s["top_k"], BLOCK_TK=tk, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
                   EMULATE_RNE=False, PDL=True, FMT=fmt)
-    return _small_down_kernel, sig, consts, warps, stages, tk * block_n * block_k // (32 * warps)
+    if fmt == 2:
+        _int4_planes(sig, consts)
+    return (_small_down_int4_kernel if fmt == 2 else _small_down_kernel, sig, consts, warps, stages,
+            tk * block_n * block_k // (32 * warps))
 
 
 def grouped(fmt: int, s: dict, gated: bool, block_m=64, block_n=64, block_k=64, warps=4, stages=3):

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
-                                     expert_tables, load_weight_tile, tiles_fit)
+                                     INT4, expert_tables, load_weight_tile, tiles_fit)
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
@@ -279,6 +279,9 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     experts, weights = experts.contiguous(), weights.contiguous()
     block_tk, dn_k = triton.next_power_of_2(top_k), small_down_block_k(dn, top_k)
     check_tiles(w13, gu.block_k, dn_k)
+    if expert_tables(w13)[3] == INT4:       # the nibble-plane kernels (ridge/kernels/moe_int4.py)
+        from ridge.kernels.moe_int4 import small_int4   # noqa: PLC0415  (it imports this module)
+        return small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k, pdl, rne, launch_options(pdl))
     (w13, s13, z13, fmt), (w2, s2, z2, _) = expert_tables(w13), expert_tables(w2)
     _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
         x, w13, s13, z13, experts, hidden, inter, H, top_k, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
