@@ -94,7 +94,7 @@ def _int4_planes(sig: dict, consts: dict) -> None:
 
 def small_gate_up(fmt: int, s: dict, block_n=16, block_k=128, warps=4, stages=3):
     from ridge.kernels.moe_gemm import _small_gate_up_kernel
-    from ridge.kernels.moe_int4 import _small_gate_up_int4_kernel
+    from ridge.kernels.moe_int4 import _small_gate_up_int4_kernel, _small_gate_up_int4_mma_kernel
     sig = dict(X="*bf16", W="*i32" if fmt == 2 else "*bf16", WS="*bf16", WZ="*bf16", Experts="*i32", Out="*bf16",
                inter="i32", K="constexpr", TOP_K="constexpr", stride_xt="i32", stride_we="i32", stride_wn="i32",
                stride_se="i32", stride_sn="i32", stride_ot="i32", BLOCK_N="constexpr", BLOCK_K="constexpr",
@@ -104,6 +104,9 @@ def small_gate_up(fmt: int, s: dict, block_n=16, block_k=128, warps=4, stages=3)
     weights = 2 * block_n * block_k // (32 * warps)          # gate and up, a thread's share of one K step
     if fmt == 2:
         _int4_planes(sig, consts)
+        if block_k == 128:             # the tensor-core variant: no BLOCK_K argument
+            del sig["BLOCK_K"], consts["BLOCK_K"]
+            return _small_gate_up_int4_mma_kernel, sig, consts, warps, stages, weights
     return _small_gate_up_int4_kernel if fmt == 2 else _small_gate_up_kernel, sig, consts, warps, stages, weights
 
 
@@ -137,7 +140,8 @@ def grouped(fmt: int, s: dict, gated: bool, block_m=64, block_n=64, block_k=64, 
     return _grouped_kernel, sig, consts, warps, stages, (2 if gated else 1) * block_n * block_k // (32 * warps)
 
 
-KERNELS = {"small gate/up": small_gate_up, "small down": small_down,
+KERNELS = {"small gate/up": lambda fmt, s: small_gate_up(fmt, s, **({} if fmt == 0 else dict(block_n=64, warps=2))),
+           "small down": small_down,
            "grouped gate/up": lambda fmt, s: grouped(fmt, s, True), "grouped down": lambda fmt, s: grouped(fmt, s, False)}
 FORMATS = {"bf16": 0, "int4": 2}
 
@@ -157,15 +161,18 @@ def main(argv=None) -> int:
                          n.startswith("stride")}
             r = assemble(compile_sm90(fn, sig, consts, divisible, warps, stages), bins)
             total = sum(r["loop"].values())
-            rows.append(dict(kernel=name, format=fmt_name, consts={k: v for k, v in consts.items()}, **r,
+            rows.append(dict(kernel=name, format=fmt_name, consts={k: v for k, v in consts.items()}, num_warps=warps,
+                             tile=" x ".join(str(consts[k]) for k in ("BLOCK_TK", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+                                             if k in consts) + f", {warps} warps", **r,
                              loop_instructions=total, weights_per_thread=weights,
                              instructions_per_weight=total / weights))
             print(f"  {name} {fmt_name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {total} "
                   f"instructions a K step ({total / weights:.1f} a weight)", flush=True)
     if a.json:
         write_json(a.json, dict(target="sm_90a", shape=V2_LITE, rows=rows))
-    print(format_table(["kernel", "format", "registers", "spilled B", "loop instr.", "instr./weight", "top opcodes"],
-                       [[r["kernel"], r["format"], r["registers"], r["spill_bytes"], r["loop_instructions"],
+    print(format_table(["kernel", "format", "tile", "registers", "spilled B", "loop instr.", "instr./weight",
+                        "top opcodes"],
+                       [[r["kernel"], r["format"], r["tile"], r["registers"], r["spill_bytes"], r["loop_instructions"],
                          f"{r['instructions_per_weight']:.1f}", " ".join(f"{k}{v}" for k, v in list(r["loop"].items())[:5])]
                         for r in rows]))
     return 0

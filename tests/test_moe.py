@@ -140,11 +140,14 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     # the small path scales each group's fp32 sums (ridge/kernels/moe_int4.py) instead of rounding
     # every dequantized weight to the activation dtype: in bf16 it is held to the unrounded dequantized
     # MoE in fp32, no farther from it than twice the reference (whose rounded weights put it ~1 ulp off)
-    if dtype == torch.float32:
-        torch.testing.assert_close(small.float(), ref, **tol)
-    else:
-        exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
-        assert (small.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
+    # (gate/up with 128-wide K tiles runs on tensor cores: checked too, its second tile a short one)
+    small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 128, 4, 1), SmallTiles(32, 32, 4, 1)))
+    exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
+    for got in (small, small_mma):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.float(), ref, **tol)
+        else:
+            assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
     for bm, fuse_sum in ((16, True), (32, False)):
         grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, 32, 4, 1),) * 2, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ridge.kernels.int4_gemv import dequant_plane, x_planes
+from ridge.kernels.int4_gemv import _plane_dot, dequant_plane, x_planes
 from ridge.kernels.moe_gemm import _silu_mul
 from ridge.kernels.pdl import pdl_wait
 from ridge.kernels.rounding import round_to
@@ -92,6 +92,63 @@ def _small_gate_up_int4_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexp
 
 
 @triton.jit
+def _small_gate_up_int4_mma_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexpr, TOP_K: tl.constexpr, stride_xt,
+                                   stride_we, stride_wn, stride_se, stride_sn, stride_ot, BLOCK_N: tl.constexpr,
+                                   NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
+                                   ASM: tl.constexpr):
+    """The gate/up kernel on tensor cores (BLOCK_K 128: planes 16 deep, the MMA's K): the pair's x
+    row is row 0 of a 16-row operand (the other rows zero, free: the kernel is bound by the weights),
+    and each plane is one tl.dot, so the multiply-add and the conversion to fp32 leave the issue slots."""
+    DT: tl.constexpr = X.dtype.element_ty
+    pair = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, 16)
+    first = (tl.arange(0, 16) == 0)
+    n_mask = offs_n < inter
+    pdl_wait(PDL)       # the experts are the router's, x the norm's
+    e = tl.load(Experts + pair).to(tl.int64)
+    w_gate = W + e * stride_we + offs_n[None, :] * stride_wn + r[:, None]       # [16 words of K, BLOCK_N]
+    w_up = w_gate + inter * stride_wn
+    sz_gate = e * stride_se + offs_n * stride_sn
+    sz_up = sz_gate + inter * stride_sn
+    x_row = X + (pair // TOP_K) * stride_xt + (8 * r)[:, None] + tl.arange(0, 8)[None, :]
+    acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(0, K, 128, num_stages=NUM_STAGES):
+        r_ok = r < (K - k) // 8                                 # K is a multiple of 8
+        m = r_ok[:, None] & n_mask[None, :]
+        wg = tl.load(w_gate + k // 8, mask=m, other=0, eviction_policy="evict_first")
+        wu = tl.load(w_up + k // 8, mask=m, other=0, eviction_policy="evict_first")
+        xt = tl.load(x_row + k, mask=r_ok[:, None], other=0.0)
+        x16 = tl.where(first[:, None, None], xt[None, :, :], tl.zeros_like(xt)[None, :, :])
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_planes(x16)          # [16, 16] each, row 0 the pair's
+        g = k // 128
+        zg = _zero_points(WZ, sz_gate + g, n_mask, DT, ASM)[None, :]
+        zu = _zero_points(WZ, sz_up + g, n_mask, DT, ASM)[None, :]
+        dg = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wg, zg, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        du = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wu, zu, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        acc_g += dg * tl.load(WS + sz_gate + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += du * tl.load(WS + sz_up + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    g_row = tl.sum(tl.where(first[:, None], acc_g, 0.0), axis=0)
+    u_row = tl.sum(tl.where(first[:, None], acc_u, 0.0), axis=0)
+    tl.store(Out + pair * stride_ot + offs_n, _silu_mul(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
+
+
+@triton.jit
+def _planes_dot(acc, w, z, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """acc += sum over the eight planes j of x plane j @ (plane j of w - z), on tensor cores."""
+    acc = _plane_dot(acc, x0, w, 0, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x1, w, 1, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x2, w, 2, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x3, w, 3, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x4, w, 4, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x5, w, 5, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x6, w, 6, z, z, False, ASM, False)
+    acc = _plane_dot(acc, x7, w, 7, z, z, False, ASM, False)
+    return acc
+
+
+@triton.jit
 def _small_down_int4_kernel(Hid, W, WS, WZ, Experts, RouteW, Out, N, K: tl.constexpr, TOP_K: tl.constexpr,
                             stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_ot, BLOCK_TK: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -136,11 +193,15 @@ def small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k: int, pdl
     (T, H), top_k = x.shape, experts.shape[1]
     inter = w13.q.shape[1] // 2
     asm = not triton.knobs.runtime.interpret
-    _small_gate_up_int4_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
-        x, w13.q, w13.scale, w13.zero, experts, hidden, inter, H, top_k, x.stride(0), w13.q.stride(0),
-        w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1), hidden.stride(0), BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, NUM_STAGES=gu.num_stages, EMULATE_RNE=rne, PDL=pdl, ASM=asm, num_warps=gu.num_warps,
-        **launch)
+    args = (x, w13.q, w13.scale, w13.zero, experts, hidden, inter, H, top_k, x.stride(0), w13.q.stride(0),
+            w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1), hidden.stride(0))
+    grid = (T * top_k, triton.cdiv(inter, gu.block_n))
+    if gu.block_k == 128:          # planes 16 words deep: the MMA's K
+        _small_gate_up_int4_mma_kernel[grid](*args, BLOCK_N=gu.block_n, NUM_STAGES=gu.num_stages, EMULATE_RNE=rne,
+                                             PDL=pdl, ASM=asm, num_warps=gu.num_warps, **launch)
+    else:
+        _small_gate_up_int4_kernel[grid](*args, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, NUM_STAGES=gu.num_stages,
+                                         EMULATE_RNE=rne, PDL=pdl, ASM=asm, num_warps=gu.num_warps, **launch)
     _small_down_int4_kernel[(T, triton.cdiv(H, dn.block_n))](
         hidden, w2.q, w2.scale, w2.zero, experts, weights, out, H, inter, top_k, hidden.stride(0), w2.q.stride(0),
         w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1), out.stride(0), BLOCK_TK=triton.next_power_of_2(top_k),

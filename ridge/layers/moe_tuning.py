@@ -39,6 +39,9 @@ log = logging.getLogger("ridge")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SMALL_CANDIDATES = [SmallTiles(*c) for c in ((8, 256, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3),
                                              (16, 128, 4, 4), (8, 128, 4, 4), (32, 64, 4, 4))]
+# INT4 gate/up with 128-wide K tiles runs on tensor cores (ridge/kernels/moe_int4.py), which want
+# 32+ columns a warp
+INT4_SMALL_CANDIDATES = [SmallTiles(*c) for c in ((64, 128, 2, 4), (128, 128, 4, 4), (32, 128, 1, 4))]
 GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
     (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3))]
@@ -119,7 +122,8 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
     _raise_clocks(w13.device)
     table = {}
     # quantized experts: only tiles whose K widths fit the scale blocks or groups
-    small_gu = [c for c in SMALL_CANDIDATES if tiles_fit(w13, c.block_k)]
+    int4 = format_name(w13) == "-int4"
+    small_gu = [c for c in SMALL_CANDIDATES + (INT4_SMALL_CANDIDATES if int4 else []) if tiles_fit(w13, c.block_k)]
     small_dn = [c for c in SMALL_CANDIDATES if tiles_fit(w2, small_down_block_k(c, top_k))]
     for T in buckets:
         t0 = time.perf_counter()
