@@ -134,15 +134,18 @@ def grouped(fmt: int, s: dict, gated: bool, block_m=64, block_n=64, block_k=64, 
                x_rows_per_pair="i32", num_blocks="i32", stride_xm="i32", stride_we="i32", stride_wn="i32",
                stride_se="i32", stride_sn="i32", stride_om="i32", BLOCK_M="constexpr", BLOCK_N="constexpr",
                BLOCK_K="constexpr", GROUP_M="constexpr", GATED="constexpr", TOP_K="constexpr", FUSE_SUM="constexpr",
-               EMULATE_RNE="constexpr", PDL="constexpr", FMT="constexpr")
+               EMULATE_RNE="constexpr", PDL="constexpr", FMT="constexpr", PLANES="constexpr", ASM="constexpr")
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, GATED=gated,
-                  TOP_K=0 if gated else s["top_k"], FUSE_SUM=not gated, EMULATE_RNE=False, PDL=True, FMT=fmt)
+                  TOP_K=0 if gated else s["top_k"], FUSE_SUM=not gated, EMULATE_RNE=False, PDL=True, FMT=fmt,
+                  PLANES=fmt == 2 and block_k == 128, ASM=True)
     return _grouped_kernel, sig, consts, warps, stages, (2 if gated else 1) * block_n * block_k // (32 * warps)
 
 
 KERNELS = {"small gate/up": lambda fmt, s: small_gate_up(fmt, s, **({} if fmt == 0 else dict(block_n=64, warps=2))),
            "small down": small_down,
-           "grouped gate/up": lambda fmt, s: grouped(fmt, s, True), "grouped down": lambda fmt, s: grouped(fmt, s, False)}
+           # INT4 grouped: the nibble planes, one 128-wide group a K step
+           "grouped gate/up": lambda fmt, s: grouped(fmt, s, True, block_k=128 if fmt == 2 else 64),
+           "grouped down": lambda fmt, s: grouped(fmt, s, False, block_k=128 if fmt == 2 else 64)}
 FORMATS = {"bf16": 0, "int4": 2}
 
 

@@ -148,8 +148,10 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
             torch.testing.assert_close(got.float(), ref, **tol)
         else:
             assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
-    for bm, fuse_sum in ((16, True), (32, False)):
-        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, 32, 4, 1),) * 2, fuse_sum)
+    # the grouped path: the generic tile loads (32-wide K) and the nibble planes (one 128-wide group a
+    # K step, each weight rounded as the reference's), both held to the reference
+    for bm, bk, fuse_sum in ((16, 32, True), (32, 32, False), (16, 128, True), (32, 128, False)):
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, bk, 4, 1),) * 2, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)
     with pytest.raises(ValueError, match="Int4Experts need tiles whose K width divides 128"):
         fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 32, 256, 4, 1),) * 2)

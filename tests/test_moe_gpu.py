@@ -60,7 +60,8 @@ def test_int4_expert_kernels_at_model_shapes(E, k, H, inter):
     """INT4 experts (group 128, RTN at load) against the reference on the dequantized weights, every
     small-batch and grouped tile the plan may pick; one token batch with an expert in every token."""
     from ridge.layers.moe import quantize_experts_int4
-    from ridge.layers.moe_tuning import GROUPED_CANDIDATES, SMALL_CANDIDATES
+    from ridge.layers.moe_tuning import (GROUPED_CANDIDATES, INT4_GROUPED_CANDIDATES, INT4_SMALL_CANDIDATES,
+                                         SMALL_CANDIDATES)
     from ridge.kernels.moe_gemm import small_down_block_k, tiles_fit
     from triton.runtime.errors import OutOfResources
     g = torch.Generator(device="cuda").manual_seed(E + 2)
@@ -76,7 +77,7 @@ def test_int4_expert_kernels_at_model_shapes(E, k, H, inter):
         # a tile whose INT4 unpacking outgrows shared memory is not run (the tuner times it as inf);
         # every BLOCK_M the plan chooses among keeps at least one tile that runs
         outs, ran = [], set()
-        for c in GROUPED_CANDIDATES:
+        for c in GROUPED_CANDIDATES + INT4_GROUPED_CANDIDATES:      # the latter: the nibble-plane loop
             try:
                 outs += [fused_moe_grouped(x, w13, w2, weights, experts, (c, c), fuse_sum=f) for f in (True, False)
                          if tiles_fit(w13, c.block_k)]
@@ -87,6 +88,9 @@ def test_int4_expert_kernels_at_model_shapes(E, k, H, inter):
         if T <= 16:
             outs += [fused_moe_small(x, w13, w2, weights, experts, (c, c)) for c in SMALL_CANDIDATES
                      if tiles_fit(w13, c.block_k, small_down_block_k(c, k))]
+            # gate/up's tensor-core plane kernel (128-wide K), with the first down tile
+            outs += [fused_moe_small(x, w13, w2, weights, experts, (c, SMALL_CANDIDATES[0]))
+                     for c in INT4_SMALL_CANDIDATES]
         for out in outs:
             rel = ((out.float() - ref).norm() / ref.norm()).item()
             assert rel < 1e-2, (T, rel)

@@ -57,10 +57,11 @@ import triton.language as tl
 
 from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
                                      INT4, expert_tables, load_weight_tile, tiles_fit)
+from ridge.kernels.moe_int4 import grouped_int4_planes, planes_asm, small_int4
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
-from ridge.kernels.silu_mul import silu_times
+from ridge.kernels.silu_mul import silu_mul_sums
 from ridge.kernels.tiles import grouped_tile
 
 SMALL_MAX_TOKENS = 16
@@ -105,14 +106,6 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 @triton.jit
-def _silu_mul(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """silu(g) * u at silu_and_mul's rounding points (ridge/kernels/silu_mul.py), from fp32 sums."""
-    g = round_to(g, DTYPE, EMULATE_RNE).to(tl.float32)
-    u = round_to(u, DTYPE, EMULATE_RNE).to(tl.float32)
-    return round_to(silu_times(g, u, DTYPE, EMULATE_RNE), DTYPE, EMULATE_RNE)
-
-
-@triton.jit
 def _dot(a, b, acc, EMULATE_RNE: tl.constexpr):
     if EMULATE_RNE or a.dtype == tl.float32:
         # fp32 models stay out of TF32 (as F.linear by default). CPU tensors, i.e. the interpreter:
@@ -151,7 +144,7 @@ def _small_gate_up_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexpr, TO
                               stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "evict_first")
         acc_g += wg.to(tl.float32) * x
         acc_u += wu.to(tl.float32) * x
-    y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
+    y = silu_mul_sums(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
     tl.store(Out + pair * stride_ot + offs_n, y, mask=n_mask)
 
 
@@ -196,7 +189,7 @@ def _grouped_kernel(X, W, WS, WZ, Out, PairOrder, BlockExpert, RouteW, Scratch, 
                     num_blocks, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     GATED: tl.constexpr, TOP_K: tl.constexpr, FUSE_SUM: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                    PDL: tl.constexpr, FMT: tl.constexpr):
+                    PDL: tl.constexpr, FMT: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_wait(PDL)       # the layout is the alignment kernel's, x the previous layer's
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
@@ -204,24 +197,30 @@ def _grouped_kernel(X, W, WS, WZ, Out, PairOrder, BlockExpert, RouteW, Scratch, 
         pair = tl.load(PairOrder + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         valid = pair < num_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         n_mask = offs_n < N
-        x_ptrs = X + (pair // x_rows_per_pair)[:, None] * stride_xm + offs_k[None, :]
-        w_rows = W + e * stride_we + offs_n[None, :] * stride_wn
-        s_e, z_e = WS + e * stride_se, WZ + e * stride_se
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k
-            a = tl.load(x_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            w = load_weight_tile(w_rows, s_e, z_e, offs_n[None, :], offs_k[:, None], k, w_mask, n_mask[None, :],
-                                 stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "")
-            acc = _dot(a, w, acc, EMULATE_RNE)
-            if GATED:
-                w_up = load_weight_tile(w_rows + N * stride_wn, s_e, z_e, offs_n[None, :] + N, offs_k[:, None], k,
-                                        w_mask, n_mask[None, :], stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "")
-                acc_u = _dot(a, w_up, acc_u, EMULATE_RNE)
+        if PLANES:      # INT4, one group a K step: the nibble-plane loop (ridge/kernels/moe_int4.py)
+            acc, acc_u = grouped_int4_planes(X, pair // x_rows_per_pair, valid, stride_xm, W, WS, WZ, e, offs_n, n_mask,
+                                             N, K, stride_we, stride_wn, stride_se, stride_sn, acc, acc_u, GATED, ASM,
+                                             EMULATE_RNE)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            x_ptrs = X + (pair // x_rows_per_pair)[:, None] * stride_xm + offs_k[None, :]
+            w_rows = W + e * stride_we + offs_n[None, :] * stride_wn
+            s_e, z_e = WS + e * stride_se, WZ + e * stride_se
+            for k in range(0, K, BLOCK_K):
+                k_mask = offs_k < K - k
+                a = tl.load(x_ptrs + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
+                w_mask = k_mask[:, None] & n_mask[None, :]
+                w = load_weight_tile(w_rows, s_e, z_e, offs_n[None, :], offs_k[:, None], k, w_mask, n_mask[None, :],
+                                     stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT, "")
+                acc = _dot(a, w, acc, EMULATE_RNE)
+                if GATED:
+                    w_up = load_weight_tile(w_rows + N * stride_wn, s_e, z_e, offs_n[None, :] + N, offs_k[:, None], k,
+                                            w_mask, n_mask[None, :], stride_sn, X.dtype.element_ty, EMULATE_RNE, FMT,
+                                            "")
+                    acc_u = _dot(a, w_up, acc_u, EMULATE_RNE)
         mask = valid[:, None] & n_mask[None, :]
         if TOP_K > 0:
             r = round_to(tl.load(RouteW + pair, mask=valid, other=0.0), Out.dtype.element_ty, EMULATE_RNE)
@@ -246,7 +245,7 @@ def _grouped_kernel(X, W, WS, WZ, Out, PairOrder, BlockExpert, RouteW, Scratch, 
                          EMULATE_RNE), mask=last[:, None] & n_mask[None, :])
         else:
             if GATED:
-                y = _silu_mul(acc, acc_u, Out.dtype.element_ty, EMULATE_RNE)
+                y = silu_mul_sums(acc, acc_u, Out.dtype.element_ty, EMULATE_RNE)
             else:
                 y = round_to(acc, Out.dtype.element_ty, EMULATE_RNE)
             tl.store(Out + pair[:, None] * stride_om + offs_n[None, :], y, mask=mask)
@@ -280,7 +279,6 @@ def fused_moe_small(x, w13, w2, weights, experts, tiles: tuple[SmallTiles, Small
     block_tk, dn_k = triton.next_power_of_2(top_k), small_down_block_k(dn, top_k)
     check_tiles(w13, gu.block_k, dn_k)
     if expert_tables(w13)[3] == INT4:       # the nibble-plane kernels (ridge/kernels/moe_int4.py)
-        from ridge.kernels.moe_int4 import small_int4   # noqa: PLC0415  (it imports this module)
         return small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k, pdl, rne, launch_options(pdl))
     (w13, s13, z13, fmt), (w2, s2, z2, _) = expert_tables(w13), expert_tables(w2)
     _small_gate_up_kernel[(T * top_k, triton.cdiv(inter, gu.block_n))](
@@ -327,7 +325,8 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
         x, w, ws, wz, out, pair_order, block_expert, route_weights, scratch, arrived, num_pairs, n, K,
         x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated, TOP_K=top_k,
-        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FMT=fmt, num_warps=tiles.num_warps,
+        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FMT=fmt, PLANES=fmt == INT4 and tiles.block_k == 128,
+        ASM=planes_asm(x), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_options(pdl))
     if top_k and not fuse_sum:
         return scratch.view(-1, top_k, n).sum(dim=1)

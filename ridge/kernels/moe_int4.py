@@ -21,13 +21,14 @@ Under TRITON_INTERPRET the planes come from plain integer ops (ASM off), with th
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ridge.kernels.int4_gemv import _plane_dot, dequant_plane, x_planes
-from ridge.kernels.moe_gemm import _silu_mul
 from ridge.kernels.pdl import pdl_wait
 from ridge.kernels.rounding import round_to
+from ridge.kernels.silu_mul import silu_mul_sums
 
 
 @triton.jit
@@ -51,6 +52,13 @@ def _zero_points(Z, offs, mask, DT: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         z = (z + (128.0 if DT == tl.bfloat16 else 1024.0)).to(DT)
     return z
+
+
+@triton.jit
+def _scales(S, offs, mask, DT: tl.constexpr, ASM: tl.constexpr):
+    """Group scales as dequant_plane multiplies by them: in DT on the GPU, fp32 in the interpreter."""
+    s = tl.load(S + offs, mask=mask, other=0.0)
+    return s.to(DT) if ASM else s.to(tl.float32)
 
 
 @triton.jit
@@ -87,7 +95,7 @@ def _small_gate_up_int4_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexp
         tu = _planes_fma(tl.zeros([BLOCK_N, BK8], dtype=tl.float32), wu, zu, x0, x1, x2, x3, x4, x5, x6, x7, DT, ASM)
         acc_g += tg * tl.load(WS + sz_gate + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         acc_u += tu * tl.load(WS + sz_up + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
+    y = silu_mul_sums(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), Out.dtype.element_ty, EMULATE_RNE)
     tl.store(Out + pair * stride_ot + offs_n, y, mask=n_mask)
 
 
@@ -125,27 +133,64 @@ def _small_gate_up_int4_mma_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.cons
         g = k // 128
         zg = _zero_points(WZ, sz_gate + g, n_mask, DT, ASM)[None, :]
         zu = _zero_points(WZ, sz_up + g, n_mask, DT, ASM)[None, :]
-        dg = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wg, zg, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-        du = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wu, zu, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        dg = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wg, zg, zg, x0, x1, x2, x3, x4, x5, x6, x7, False,
+                         ASM, False)
+        du = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wu, zu, zu, x0, x1, x2, x3, x4, x5, x6, x7, False,
+                         ASM, False)
         acc_g += dg * tl.load(WS + sz_gate + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += du * tl.load(WS + sz_up + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     g_row = tl.sum(tl.where(first[:, None], acc_g, 0.0), axis=0)
     u_row = tl.sum(tl.where(first[:, None], acc_u, 0.0), axis=0)
-    tl.store(Out + pair * stride_ot + offs_n, _silu_mul(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
+    tl.store(Out + pair * stride_ot + offs_n, silu_mul_sums(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
 
 
 @triton.jit
-def _planes_dot(acc, w, z, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """acc += sum over the eight planes j of x plane j @ (plane j of w - z), on tensor cores."""
-    acc = _plane_dot(acc, x0, w, 0, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x1, w, 1, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x2, w, 2, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x3, w, 3, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x4, w, 4, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x5, w, 5, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x6, w, 6, z, z, False, ASM, False)
-    acc = _plane_dot(acc, x7, w, 7, z, z, False, ASM, False)
+def _planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, SCALE: tl.constexpr, ASM: tl.constexpr,
+                EMULATE_RNE: tl.constexpr):
+    """acc += sum over the eight planes j of x plane j @ (plane j of w - z) [* s], on tensor cores."""
+    acc = _plane_dot(acc, x0, w, 0, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x1, w, 1, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x2, w, 2, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x3, w, 3, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x4, w, 4, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x5, w, 5, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x6, w, 6, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x7, w, 7, z, s, SCALE, ASM, EMULATE_RNE)
     return acc
+
+
+@triton.jit
+def grouped_int4_planes(X, x_rows, valid, stride_xm, W, WS, WZ, e, offs_n, n_mask, N, K, stride_we, stride_wn,
+                        stride_se, stride_sn, acc, acc_u, GATED: tl.constexpr, ASM: tl.constexpr,
+                        EMULATE_RNE: tl.constexpr):
+    """The grouped GEMM's K loop (ridge/kernels/moe_gemm.py) for INT4 experts, one group a step (128
+    inputs: planes 16 words deep, the MMA's K): acc [BLOCK_M, BLOCK_N] += the rows x_rows of X @ expert
+    e's columns offs_n (and acc_u += the same @ its up columns N + offs_n if GATED). The word tile is one
+    vector load; each weight plane is dequantized as the reference rounds it, (q - z) * s in X's dtype
+    (one packed multiply two weights), so the sums are those of the generic path's dequantized tile:
+    at 16+ rows a tile the per-weight work is shared by the rows, and the scale costs no extra
+    accumulator."""
+    DT: tl.constexpr = X.dtype.element_ty
+    r = tl.arange(0, 16)
+    x_ptrs = X + x_rows[:, None, None] * stride_xm + (8 * r)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    w_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + r[:, None]        # [16 words of K, BLOCK_N]
+    sz = e * stride_se + offs_n * stride_sn
+    for k in range(0, K, 128):
+        r_ok = r < (K - k) // 8                                 # K is a multiple of 8
+        xt = tl.load(x_ptrs + k, mask=valid[:, None, None] & r_ok[None, :, None], other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_planes(xt)           # [BLOCK_M, 16] each
+        m = r_ok[:, None] & n_mask[None, :]
+        g = k // 128
+        w = tl.load(w_ptrs + k // 8, mask=m, other=0)
+        z = _zero_points(WZ, sz + g, n_mask, DT, ASM)[None, :]
+        s = _scales(WS, sz + g, n_mask, DT, ASM)[None, :]
+        acc = _planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
+        if GATED:
+            wu = tl.load(w_ptrs + N * stride_wn + k // 8, mask=m, other=0)
+            zu = _zero_points(WZ, sz + N * stride_sn + g, n_mask, DT, ASM)[None, :]
+            su = _scales(WS, sz + N * stride_sn + g, n_mask, DT, ASM)[None, :]
+            acc_u = _planes_dot(acc_u, wu, zu, su, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
+    return acc, acc_u
 
 
 @triton.jit
@@ -192,7 +237,7 @@ def small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k: int, pdl
     """The two small-path launches for Int4Experts (moe_gemm.fused_moe_small checks and allocates)."""
     (T, H), top_k = x.shape, experts.shape[1]
     inter = w13.q.shape[1] // 2
-    asm = not triton.knobs.runtime.interpret
+    asm = planes_asm(x)
     args = (x, w13.q, w13.scale, w13.zero, experts, hidden, inter, H, top_k, x.stride(0), w13.q.stride(0),
             w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1), hidden.stride(0))
     grid = (T * top_k, triton.cdiv(inter, gu.block_n))
@@ -208,3 +253,9 @@ def small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k: int, pdl
         BLOCK_N=dn.block_n, BLOCK_K=dn_k, NUM_STAGES=dn.num_stages, EMULATE_RNE=rne, PDL=pdl, ASM=asm,
         num_warps=dn.num_warps, **launch)
     return out
+
+
+def planes_asm(x) -> bool:
+    """Whether the plane kernels take their nibbles with PTX (16-bit activations on the GPU); else
+    (the interpreter, fp32 models) plain integer ops give the same values."""
+    return not triton.knobs.runtime.interpret and x.dtype in (torch.bfloat16, torch.float16)

@@ -61,6 +61,15 @@ def silu_times(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def silu_mul_sums(g, u, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """silu(g) * u in DTYPE from a GEMM's fp32 sums g and u: each sum rounded to DTYPE first, as the
+    reference's GEMM outputs are, then silu_times and the product rounded once."""
+    g = round_to(g, DTYPE, EMULATE_RNE).to(tl.float32)
+    u = round_to(u, DTYPE, EMULATE_RNE).to(tl.float32)
+    return round_to(silu_times(g, u, DTYPE, EMULATE_RNE), DTYPE, EMULATE_RNE)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, Scale, inter, stride_xt, stride_xi, stride_ot, stride_oi, stride_st, stride_sg,
                          BLOCK: tl.constexpr, FP8_OUT: tl.constexpr, G: tl.constexpr, EMULATE_RNE: tl.constexpr,
                          PDL: tl.constexpr):

@@ -45,9 +45,13 @@ INT4_SMALL_CANDIDATES = [SmallTiles(*c) for c in ((64, 128, 2, 4), (128, 128, 4,
 GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
     (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 64, 8, 3))]
+# INT4 grouped tiles one group (128) wide run the nibble-plane loop (ridge/kernels/moe_int4.py)
+INT4_GROUPED_CANDIDATES = [GroupedTiles(*c) for c in (
+    (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (64, 64, 128, 4, 3),
+    (64, 128, 128, 8, 3), (128, 128, 128, 8, 3))]
 # the top-k sum in the down GEMM (where this Triton can), or a torch sum after it
 GROUPED_PATHS = ("grouped", "grouped-torch-sum") if FUSED_SUM_OK else ("grouped-torch-sum",)
-VERSION = 4                # 4: the down GEMM fuses the top-k sum
+VERSION = 5                # 4: the down GEMM fuses the top-k sum; 5: INT4's plane tiles
 
 
 class MoePlan:
@@ -125,6 +129,7 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
     int4 = format_name(w13) == "-int4"
     small_gu = [c for c in SMALL_CANDIDATES + (INT4_SMALL_CANDIDATES if int4 else []) if tiles_fit(w13, c.block_k)]
     small_dn = [c for c in SMALL_CANDIDATES if tiles_fit(w2, small_down_block_k(c, top_k))]
+    grouped = GROUPED_CANDIDATES + (INT4_GROUPED_CANDIDATES if int4 else [])
     for T in buckets:
         t0 = time.perf_counter()
         x = torch.randn(T, H, generator=gen, device=w13.device).to(w13.dtype)
@@ -137,8 +142,8 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
             best_gu = _best(gu)
             dn = _time_all(small_dn, lambda c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c)))
             timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
-        for bm in sorted({c.block_m for c in GROUPED_CANDIDATES}):
-            cands = [c for c in GROUPED_CANDIDATES if c.block_m == bm and tiles_fit(w13, c.block_k)]
+        for bm in sorted({c.block_m for c in grouped}):
+            cands = [c for c in grouped if c.block_m == bm and tiles_fit(w13, c.block_k)]
             layout = align_by_expert(experts, E, bm)
             gu = _time_all(cands, lambda c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True))
             dn = _time_all(cands, lambda c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
@@ -151,8 +156,9 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
         best = min(timings, key=lambda k: timings[k]["us"])
         table[str(T)] = {"path": timings[best].get("path", "small"), "tiles": [list(t) for t in timings[best]["tiles"]],
                          "us": {k: v["us"] for k, v in timings.items()}}
-        log.info("MoE tiles (E=%d, H=%d, top-k %d, %s): %d tokens, %d paths timed in %.1f s", E, H, top_k,
-                 format_name(w13) or str(w13.dtype), T, len(timings), time.perf_counter() - t0)
+        log.info("MoE tiles (E=%d, H=%d, top-k %d, %s): %d tokens, %d paths timed in %.1f s: %s %s, %.1f us", E, H,
+                 top_k, format_name(w13) or str(w13.dtype), T, len(timings), time.perf_counter() - t0,
+                 table[str(T)]["path"], " / ".join(str(tuple(t)) for t in timings[best]["tiles"]), timings[best]["us"])
     return table
 
 
