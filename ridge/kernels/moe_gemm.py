@@ -41,7 +41,9 @@ Two paths, chosen by the number of tokens (`SMALL_MAX_TOKENS`):
     streaming pass) is then faster, so the plan (ridge/layers/moe_tuning.py) measures both.
 
 Quantized experts (ridge/kernels/moe_quant.py: FP8 blocks, INT4 groups) are read through one
-'load a dequantized weight tile' entry, the format a constexpr: the same kernels, weight-only.
+'load a dequantized weight tile' entry, the format a constexpr: the same kernels, weight-only;
+INT4 takes the nibble-plane kernels instead (ridge/kernels/moe_int4.py: the small path's, and the
+grouped GEMM's K loop for tiles one group wide), where its instructions, not its bytes, bound it.
 
 Rounding follows the reference's points in the activation dtype (the GEMM outputs, silu, the
 product, each expert's output, the routed product); accumulation is fp32.

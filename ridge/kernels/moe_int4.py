@@ -1,10 +1,11 @@
-"""The small-batch MoE path for INT4 experts: the dense INT4 GEMV's nibble planes in the expert kernels.
+"""INT4 experts read as the dense INT4 GEMV reads its weights: nibble planes. The small-batch path's
+kernels, and the grouped GEMM's K loop for 128-wide tiles.
 
-ridge/kernels/moe_gemm.py's small kernels read every format through `load_weight_tile`, which for
-INT4 loads each weight's 32-bit word on its own (a 4-byte cp.async a weight), then shifts, masks,
-converts, subtracts, scales and rounds it: ~13 SASS instructions a weight for gate/up and ~22 for
-down on sm_90 (`benchmarks/kernel_sass.py`), against ~5 and ~6 for bf16, so a quarter of the bytes
-came out slower. Here, as in ridge/kernels/int4_gemv.py:
+ridge/kernels/moe_gemm.py's kernels read every format through `load_weight_tile`, which for INT4
+loads each weight's 32-bit word on its own (a 4-byte cp.async a weight), then shifts, masks,
+converts, subtracts, scales and rounds it: ~13 SASS instructions a weight for small gate/up, ~22
+for small down and for the grouped GEMM, with spills (`benchmarks/kernel_sass.py`), against 2-6 for
+bf16, so a quarter of the bytes came out 3-5x slower end to end. Here, as in ridge/kernels/int4_gemv.py:
 
   * A word tile [BLOCK_N, BLOCK_K / 8] is one vector load (the codes are packed along K, rows
     contiguous), and nibble j of every word is the weight plane of the K indices 8 i + j; x is
@@ -12,10 +13,14 @@ came out slower. Here, as in ridge/kernels/int4_gemv.py:
     multiplied by its x plane, so the K order is permuted, which a sum does not notice.
   * On the GPU a plane comes out two weights an instruction sequence (prmt, shr, lop3: 16-bit
     floats MAGIC + q, exact), and one packed subtraction of MAGIC + z gives q - z exactly.
-  * The group's scale multiplies the tile's fp32 partial sums once (a K tile lies in one group:
-    BLOCK_K divides 128), not every weight. So each weight is (q - z) exactly times x in fp32,
+  * Small path: the group's scale multiplies the tile's fp32 partial sums once (a K tile lies in
+    one group: BLOCK_K divides 128), not every weight. So each weight is (q - z) exactly times x in fp32,
     scaled after the sum: not rounded to the activation dtype first as the reference's
     dequantized weight is (the dense INT4 kernels do the same; the sums agree to fp32 rounding).
+    Gate/up with 128-wide K tiles puts each plane on tensor cores (the pair's row padded to 16).
+  * Grouped path (`grouped_int4_planes`): 16+ rows share each dequantized plane, so it is rounded
+    as the reference's weight, (q - z) * s in the activation dtype (one more packed multiply),
+    and the MMA takes it: the generic path's sums, at a quarter of its instructions a weight.
 
 Under TRITON_INTERPRET the planes come from plain integer ops (ASM off), with the same values.
 """

@@ -16,9 +16,10 @@ Weight-only formats, both [E, N, K] with rows contiguous along K like the float 
 Decode streams the selected experts' bytes, so the kernels read these formats as stored and
 dequantize each tile in registers to the activation dtype (rounded as the reference's dequantized
 weight is) right before the FMA or tensor-core dot. A tile's K range must lie within one scale
-block or group, so K tiles must divide 128 (`tiles_fit`). The INT4 tile gathers each word once per
-nibble (the eight lanes that read one word hit the same address, served by one transaction) and
-shifts its nibble out: a plain 2-D load with no re-layout, at the cost of the FP8 path's loads.
+block or group, so K tiles must divide 128 (`tiles_fit`). The INT4 tile here gathers each word once
+per nibble and shifts its nibble out: a plain 2-D load with no re-layout, ~22 instructions a weight.
+It serves only the grouped tiles narrower than a group; the small path and 128-wide grouped tiles
+read INT4 as nibble planes (ridge/kernels/moe_int4.py), 3-4x fewer instructions a weight.
 
 The format reaches the kernels as a constexpr (`FMT`): one kernel source, three compiled variants.
 """
