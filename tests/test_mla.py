@@ -163,16 +163,37 @@ def test_expanded_prefill_kernel_matches_the_reference():
 
 
 @interpret
-def test_latent_write_kernel_skips_padding_slots():
-    from ridge.kernels.mla_attention import write_latent, write_latent_ref
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_latent_write_kernel_matches_the_reference_and_skips_padding_slots(dtype):
+    """The fused rotary + latent write: the rotated q_pe and the cache rows [latent, rotated k_pe] as
+    the reference's (the kernel rounds the rotation once, so bf16 is held within a few ulps); the
+    latent bits copied exactly; padding slots (negative) leave the cache alone. q_pe, latent and k_pe
+    are strided views, as the projections hand them over."""
+    from ridge.kernels.mla_attention import rope_write_latent, rope_write_latent_ref
+    from ridge.layers.rotary import RotaryEmbedding
     g = torch.Generator().manual_seed(1)
-    latent, k_pe = torch.randn(6, 32, generator=g), torch.randn(6, 8, generator=g)
+    T, H, r, rope = 6, 3, 32, 8
+    rotary = RotaryEmbedding(rope, 64, 10000.0, None)
+    q = torch.randn(T, H, 16 + rope, generator=g).to(dtype)
+    kv_a = torch.randn(T, r + rope, generator=g).to(dtype)
+    q_pe, latent, k_pe = q[..., 16:], kv_a[:, :r], kv_a[:, r:]
+    positions = torch.tensor([0, 3, 17, 40, 63, 5])
     slots = torch.tensor([5, -1, 17, 40, -1, 0])
-    a, b = (torch.randn(4, 16, 1, 40, generator=torch.Generator().manual_seed(2)) for _ in range(2))
-    write_latent_ref(latent, k_pe, a, slots)
-    write_latent(latent, k_pe, b, slots)
-    assert torch.equal(a, b)
-    assert torch.equal(a.view(-1, 40)[17], torch.cat((latent[2], k_pe[2])))
+    a, b = (torch.randn(4, 16, 1, r + rope, generator=torch.Generator().manual_seed(2)).to(dtype) for _ in range(2))
+    want = rope_write_latent_ref(positions, q_pe, latent, k_pe, rotary.cos, rotary.sin, a, slots)
+    got = rope_write_latent(positions, q_pe, latent, k_pe, rotary.cos, rotary.sin, b, slots)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(b, a, **tol)
+    assert torch.equal(b[..., :r], a[..., :r])                          # the latent: copied
+    rows_a, rows_b = a.view(-1, r + rope), b.view(-1, r + rope)
+    assert torch.equal(rows_b[17, :r], latent[2])
+    untouched = torch.ones(rows_a.shape[0], dtype=torch.bool)
+    untouched[[5, 17, 40, 0]] = False
+    fresh = torch.randn(4, 16, 1, r + rope, generator=torch.Generator().manual_seed(2)).to(dtype).view(-1, r + rope)
+    assert torch.equal(rows_b[untouched], fresh[untouched])
+    with pytest.raises(ValueError, match="rope_write_latent"):
+        rope_write_latent(positions, q_pe, latent, k_pe[:, :4], rotary.cos, rotary.sin, b, slots)
 
 
 @interpret

@@ -23,43 +23,78 @@ from ridge.kernels.attention_ref import causal_attention_ref
 from ridge.kernels.decode_attention import _merge_kernel, choose_num_splits
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E
+from ridge.kernels.rotary import rotate_heads, apply_rotary_ref, launch_config, slot_row
+from ridge.kernels.rounding import emulate_rne
 
 
-def write_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' [latent, k_pe] rows ([T, r], [T, rope]) into their cache slots
-    (a negative slot: a padding row, not written)."""
+def rope_write_latent_ref(positions: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q_pe [T, H, rope] and k_pe [T, rope] (apply_rotary_ref: transformers' rounding) and scatter
+    the new tokens' [latent, rotated k_pe] rows ([T, r], [T, rope]) into their cache slots (a
+    negative slot: a padding row, not written) -> the rotated q_pe."""
+    q_pe, k_rot = apply_rotary_ref(positions, q_pe, k_pe[:, None], cos, sin)
     keep = slot_mapping >= 0
-    rows = torch.cat((latent, k_pe), dim=-1)[keep].to(cache.dtype)
+    rows = torch.cat((latent, k_rot[:, 0]), dim=-1)[keep].to(cache.dtype)
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping[keep], rows)
+    return q_pe
 
 
 @triton.jit
-def _write_latent_kernel(Latent, KPe, Cache, Slots, stride_lt, stride_pt, stride_cb, stride_ct, R: tl.constexpr,
-                         ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, PAGE: tl.constexpr,
-                         PDL: tl.constexpr):
-    t = tl.program_id(0)
-    pdl_wait(PDL)
-    slot = tl.load(Slots + t)
-    if slot >= 0:
-        row = Cache + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
-        offs_r, offs_p = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_ROPE)
-        c = tl.load(Latent + t.to(tl.int64) * stride_lt + offs_r, mask=offs_r < R)
-        tl.store(row + offs_r, c.to(Cache.dtype.element_ty), mask=offs_r < R)
-        k = tl.load(KPe + t.to(tl.int64) * stride_pt + offs_p, mask=offs_p < ROPE)
-        tl.store(row + R + offs_p, k.to(Cache.dtype.element_ty), mask=offs_p < ROPE)
+def _rope_write_latent_kernel(QPe, QOut, KPe, KOut, Latent, Pos, Cos, Sin, Cache, Slots, stride_qt, stride_qh,
+                              stride_qd, stride_qot, stride_qoh, stride_qod, stride_kt, stride_kd, stride_lt,
+                              stride_cp, stride_cd, stride_sp, stride_sd, stride_cb, stride_ct, H: tl.constexpr,
+                              R: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                              PDL: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)       # q_pe, the latent and k_pe come from the projections just before
+    slot = tl.load(Slots + tok).to(tl.int64)
+    to_cache = True & (slot >= 0)           # a boolean even in Triton 3.9's interpreter (rotary.py)
+    row = slot_row(Cache, slot, stride_cb, stride_ct, PAGE)
+    offs_r = tl.arange(0, BLOCK_R)
+    c = tl.load(Latent + tok * stride_lt + offs_r, mask=offs_r < R, other=0.0)   # only copied: issued first
+    pos = tl.load(Pos + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
+    rotate_heads(QPe, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
+                  QOut, 0, QOut, 0, False, QOut, 1.0, H, HALF, BLOCK_H, BLOCK_HALF, EMULATE_RNE, False, False, False,
+                  "ieee")
+    # the shared key part: one "head", its rotated row stored into the slot after the latent
+    rotate_heads(KPe, KOut, tok, cos, sin, stride_kt, 0, stride_kd, 2 * HALF, 0, 1, row + R, 0, row, 0, to_cache,
+                  KOut, 1.0, 1, HALF, 1, BLOCK_HALF, EMULATE_RNE, True, False, False, "ieee")
+    tl.store(row + offs_r, c.to(Cache.dtype.element_ty), mask=(offs_r < R) & to_cache)
 
 
-def write_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """write_latent_ref in one launch, with no host-side look at the slots (a CUDA graph holds it)."""
-    T, R = latent.shape
-    rope = k_pe.shape[-1]
+def rope_write_latent(positions: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rope_write_latent_ref in one launch, one program a token (ridge/kernels/rotary.py's design:
+    the cos/sin row gathered once for the query's heads and the shared key, the rotated key stored
+    from registers), with no host-side look at the slots (a CUDA graph holds it). The rotation is
+    computed in fp32 and rounded once, as rope_write_kv's: a few ulps from the reference in bf16.
+    q_pe, latent and k_pe may be strided views of the projections' outputs."""
+    T, H, rope = q_pe.shape
+    R = latent.shape[-1]
+    if rope % 2 or k_pe.shape != (T, rope) or latent.shape != (T, R) or cache.shape[-1] != R + rope:
+        raise ValueError(f"rope_write_latent: q_pe [T, H, rope] (rope even), k_pe [T, rope], latent [T, r] and a cache "
+                         f"of rows r + rope expected, got {tuple(q_pe.shape)}, {tuple(k_pe.shape)}, "
+                         f"{tuple(latent.shape)}, {tuple(cache.shape)}")
+    if cos.shape[-1] != rope or sin.shape != cos.shape or positions.shape != (T,) or slot_mapping.shape != (T,):
+        raise ValueError(f"rope_write_latent: cos/sin [max_pos, {rope}] and positions, slots [T={T}] expected")
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     if T == 0:
-        return
-    pdl = use_pdl(latent)
-    _write_latent_kernel[(T,)](latent, k_pe, cache, slot_mapping, latent.stride(0), k_pe.stride(0), cache.stride(0),
-                               cache.stride(1), R=R, ROPE=rope, BLOCK_R=triton.next_power_of_2(R),
-                               BLOCK_ROPE=triton.next_power_of_2(rope), PAGE=cache.shape[1], PDL=pdl, num_warps=4,
-                               **launch_options(pdl))
+        return q_out
+    k_out = torch.empty(T, rope, dtype=k_pe.dtype, device=k_pe.device)   # the kernel's rows; the cache is read
+    block_half, block_h, _, num_warps = launch_config(H, 1, rope)
+    pdl = use_pdl(q_pe)
+    _rope_write_latent_kernel[(T,)](
+        q_pe, q_out, k_pe, k_out, latent, positions, cos, sin, cache, slot_mapping, *q_pe.stride(), *q_out.stride(),
+        *k_pe.stride(), latent.stride(0), *cos.stride(), *sin.stride(), cache.stride(0), cache.stride(1), H=H, R=R,
+        HALF=rope // 2, PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_R=triton.next_power_of_2(R), EMULATE_RNE=emulate_rne(q_pe), PDL=pdl, num_warps=num_warps,
+        **launch_options(pdl))
+    return q_out
 
 
 def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, kv_b_weight: torch.Tensor, meta: AttentionMetadata,

@@ -113,7 +113,7 @@ def _quantize(x, scale_bytes):
 
 
 @triton.jit
-def _rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
+def rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
                   CacheRow, stride_ch, ScaleRow, stride_sh, to_cache, Signs, rsqrt_d,
                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
@@ -205,10 +205,10 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
+    rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
                   QOut, 0, QOut, 0, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
                   ROTATE, PRECISION)
-    _rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
+    rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
                   k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), stride_ksh, to_cache, Signs,
                   rsqrt_d, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True, FP8, ROTATE, PRECISION)
     v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)

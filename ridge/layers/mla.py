@@ -7,9 +7,9 @@ Why the latent cache: a GQA cache holds 2 x kv_heads x head_dim values a token a
 so decode, bound by cache bytes at long contexts, reads 3.6x to 14x fewer bytes, and the pool holds
 that many more tokens. The per-head K and V are never stored: head h's K_nope and V are the
 latent times its slices of W_kv_b. The attention itself is ridge/kernels/mla_attention.py's: on
-CUDA (and under the Triton backend) a decode-only step runs the absorbed kernel and the cache
-write its own kernel, with no host-side look at the batch, so the padded static decode path
-holds the step; prefill (and a CPU's torch backend) runs the reference that expands the latents.
+CUDA (and under the Triton backend) a decode-only step runs the absorbed kernel, and rotary and the
+cache write one kernel (`rope_write_latent`: torch's rotary is a chain of small elementwise
+kernels), with no host-side look at the batch, so the padded static decode path holds the step; prefill (and a CPU's torch backend) runs the reference that expands the latents.
 
 Cost (what the absorbed decode form moves and computes, the design the kernels follow): each
 cached row is read once for all heads (r + rope values); the up-projections fold into the query
@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output,
-                                         write_latent, write_latent_ref)
+from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, rope_write_latent,
+                                         rope_write_latent_ref, unabsorb_output)
 from ridge.kernels.mla_prefill import mla_prefill_attention
-from ridge.kernels.rotary import apply_rotary_ref
 from ridge.layers.attention import AttentionBackend, attention_keys_read, attention_pairs
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.rotary import RotaryEmbedding
@@ -51,9 +50,9 @@ class LatentAttention(nn.Module):
         kv_b_weight [H (nope + v), r]; kv_cache (latent cache,) -> [T, H, v]."""
         (cache,) = kv_cache
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe, k_pe = apply_rotary_ref(positions, q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin)
         kernels = self.kernels or (q.is_cuda and self.kernels_fit)
-        (write_latent if kernels else write_latent_ref)(latent, k_pe[:, 0], cache, meta.slot_mapping)
+        q_pe = (rope_write_latent if kernels else rope_write_latent_ref)(positions, q_pe, latent, k_pe, self.rotary.cos,
+                                                                         self.rotary.sin, cache, meta.slot_mapping)
         if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
