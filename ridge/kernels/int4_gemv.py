@@ -155,6 +155,21 @@ def _plane_dot(acc, xj, w, J: tl.constexpr, z, s, ROW_SCALES: tl.constexpr, ASM:
 
 
 @triton.jit
+def planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, SCALE: tl.constexpr, ASM: tl.constexpr,
+                EMULATE_RNE: tl.constexpr):
+    """acc += sum over the eight planes j of x plane j @ (plane j of w - z) [* s], on tensor cores."""
+    acc = _plane_dot(acc, x0, w, 0, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x1, w, 1, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x2, w, 2, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x3, w, 3, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x4, w, 4, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x5, w, 5, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x6, w, 6, z, s, SCALE, ASM, EMULATE_RNE)
+    acc = _plane_dot(acc, x7, w, 7, z, s, SCALE, ASM, EMULATE_RNE)
+    return acc
+
+
+@triton.jit
 def splitk_store(acc, Y, P, C, ticket_id, pid_k, offs_m, offs_n, M, N, stride_ym, SPLIT_K: tl.constexpr,
                  EMULATE_RNE: tl.constexpr):
     """Write y = acc, or with SPLIT_K > 1 store this split's partial; the last of the SPLIT_K
@@ -229,14 +244,7 @@ def _int4_gemv_kernel(X, QW, S, Z, Y, P, C, M, N, stride_xm, stride_ym,
             z = (z + MAGIC).to(DT)                       # exact: z is an integer in [0, 16]
         x0, x1, x2, x3, x4, x5, x6, x7 = x_planes(tl.load(x_ptrs + k0, mask=x_mask, other=0.0))
         d = tl.zeros((BM, BN), dtype=tl.float32)
-        d = _plane_dot(d, x0, w, 0, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x1, w, 1, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x2, w, 2, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x3, w, 3, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x4, w, 4, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x5, w, 5, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x6, w, 6, z, s, ROW_SCALES, ASM, EMULATE_RNE)
-        d = _plane_dot(d, x7, w, 7, z, s, ROW_SCALES, ASM, EMULATE_RNE)
+        d = planes_dot(d, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, ROW_SCALES, ASM, EMULATE_RNE)
         if ROW_SCALES:
             acc += d
         else:

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
-                                     INT4, expert_tables, load_weight_tile, tiles_fit)
+                                     INT4, expert_tables, load_weight_tile, small_down_program, tiles_fit)
 from ridge.kernels.moe_int4 import grouped_int4_planes, planes_asm, small_int4
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
@@ -155,14 +155,8 @@ def _small_down_kernel(Hid, W, WS, WZ, Experts, RouteW, Out, N, K: tl.constexpr,
                        stride_wn, stride_se, stride_sn, stride_ot, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
                        FMT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t, offs_n, n_mask, js, j_mask, e = small_down_program(Experts, N, TOP_K, BLOCK_TK, BLOCK_N, PDL)
     offs_k = tl.arange(0, BLOCK_K)
-    js = tl.arange(0, BLOCK_TK)
-    n_mask = offs_n < N
-    j_mask = js < TOP_K
-    pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
-    e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
     # all top_k experts' tiles in one [TOP_K, BLOCK_N, BLOCK_K] load: top_k times the bytes in
     # flight per program that one expert at a time would have (H / BLOCK_N programs are few)
     w_rows = W + e[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn

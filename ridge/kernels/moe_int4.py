@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ridge.kernels.int4_gemv import _plane_dot, dequant_plane, x_planes
+from ridge.kernels.int4_gemv import dequant_plane, planes_dot, x_planes
+from ridge.kernels.moe_quant import small_down_program
 from ridge.kernels.pdl import pdl_wait
 from ridge.kernels.rounding import round_to
 from ridge.kernels.silu_mul import silu_mul_sums
@@ -138,30 +139,15 @@ def _small_gate_up_int4_mma_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.cons
         g = k // 128
         zg = _zero_points(WZ, sz_gate + g, n_mask, DT, ASM)[None, :]
         zu = _zero_points(WZ, sz_up + g, n_mask, DT, ASM)[None, :]
-        dg = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wg, zg, zg, x0, x1, x2, x3, x4, x5, x6, x7, False,
+        dg = planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wg, zg, zg, x0, x1, x2, x3, x4, x5, x6, x7, False,
                          ASM, False)
-        du = _planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wu, zu, zu, x0, x1, x2, x3, x4, x5, x6, x7, False,
+        du = planes_dot(tl.zeros([16, BLOCK_N], dtype=tl.float32), wu, zu, zu, x0, x1, x2, x3, x4, x5, x6, x7, False,
                          ASM, False)
         acc_g += dg * tl.load(WS + sz_gate + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += du * tl.load(WS + sz_up + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     g_row = tl.sum(tl.where(first[:, None], acc_g, 0.0), axis=0)
     u_row = tl.sum(tl.where(first[:, None], acc_u, 0.0), axis=0)
     tl.store(Out + pair * stride_ot + offs_n, silu_mul_sums(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
-
-
-@triton.jit
-def _planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, SCALE: tl.constexpr, ASM: tl.constexpr,
-                EMULATE_RNE: tl.constexpr):
-    """acc += sum over the eight planes j of x plane j @ (plane j of w - z) [* s], on tensor cores."""
-    acc = _plane_dot(acc, x0, w, 0, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x1, w, 1, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x2, w, 2, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x3, w, 3, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x4, w, 4, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x5, w, 5, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x6, w, 6, z, s, SCALE, ASM, EMULATE_RNE)
-    acc = _plane_dot(acc, x7, w, 7, z, s, SCALE, ASM, EMULATE_RNE)
-    return acc
 
 
 @triton.jit
@@ -189,12 +175,12 @@ def grouped_int4_planes(X, x_rows, valid, stride_xm, W, WS, WZ, e, offs_n, n_mas
         w = tl.load(w_ptrs + k // 8, mask=m, other=0)
         z = _zero_points(WZ, sz + g, n_mask, DT, ASM)[None, :]
         s = _scales(WS, sz + g, n_mask, DT, ASM)[None, :]
-        acc = _planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
+        acc = planes_dot(acc, w, z, s, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
         if GATED:
             wu = tl.load(w_ptrs + N * stride_wn + k // 8, mask=m, other=0)
             zu = _zero_points(WZ, sz + N * stride_sn + g, n_mask, DT, ASM)[None, :]
             su = _scales(WS, sz + N * stride_sn + g, n_mask, DT, ASM)[None, :]
-            acc_u = _planes_dot(acc_u, wu, zu, su, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
+            acc_u = planes_dot(acc_u, wu, zu, su, x0, x1, x2, x3, x4, x5, x6, x7, True, ASM, EMULATE_RNE)
     return acc, acc_u
 
 
@@ -205,14 +191,8 @@ def _small_down_int4_kernel(Hid, W, WS, WZ, Experts, RouteW, Out, N, K: tl.const
                             EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
     DT: tl.constexpr = Hid.dtype.element_ty
     BK8: tl.constexpr = BLOCK_K // 8
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t, offs_n, n_mask, js, j_mask, e = small_down_program(Experts, N, TOP_K, BLOCK_TK, BLOCK_N, PDL)
     r = tl.arange(0, BK8)
-    js = tl.arange(0, BLOCK_TK)
-    n_mask = offs_n < N
-    j_mask = js < TOP_K
-    pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
-    e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
     # all top_k experts' word tiles in one [TOP_K, BLOCK_N, BLOCK_K / 8] load
     w_rows = W + e[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn + r[None, None, :]
     row_mask = j_mask[:, None] & n_mask[None, :]

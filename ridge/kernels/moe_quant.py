@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.int4_matmul import dequantize_int4
+from ridge.kernels.pdl import pdl_wait
 from ridge.kernels.rounding import round_to
 
 FP8_BLOCK = 128
@@ -119,3 +120,17 @@ def load_weight_tile(row_ptrs, S, Z, rows, kk, k, mask, row_mask, stride_sn, DTY
             s = tl.load(S + (rows // 128) * stride_sn + k // 128, mask=row_mask, other=0.0)
             w = round_to(w.to(tl.float32) * s, DTYPE, EMULATE_RNE)
     return w
+
+
+@triton.jit
+def small_down_program(Experts, N, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PDL: tl.constexpr):
+    """A small-path down kernel's program (every format's): its token t, BLOCK_N output columns (and
+    their mask), and the token's top_k expert slots js (mask) and experts e."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_TK)
+    j_mask = js < TOP_K
+    pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
+    e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
+    return t, offs_n, offs_n < N, js, j_mask, e
