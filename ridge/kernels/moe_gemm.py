@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
-                                     INT4, expert_tables, load_weight_tile, small_down_program, tiles_fit)
+                                     INT4, expert_tables, load_weight_tile, small_down_program, small_gate_up_program,
+                                     tiles_fit)
 from ridge.kernels.moe_int4 import grouped_int4_planes, planes_asm, small_int4
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
@@ -122,12 +123,8 @@ def _small_gate_up_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexpr, TO
                           stride_wn, stride_se, stride_sn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
                           FMT: tl.constexpr):
-    pair = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair, offs_n, n_mask, e = small_gate_up_program(Experts, inter, BLOCK_N, PDL)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < inter
-    pdl_wait(PDL)       # the experts are the router's, x the norm's
-    e = tl.load(Experts + pair).to(tl.int64)
     w_gate = W + e * stride_we + offs_n[:, None] * stride_wn
     w_up = w_gate + inter * stride_wn
     s_e, z_e = WS + e * stride_se, WZ + e * stride_se

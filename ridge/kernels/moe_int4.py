@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.int4_gemv import dequant_plane, planes_dot, x_planes
-from ridge.kernels.moe_quant import small_down_program
-from ridge.kernels.pdl import pdl_wait
+from ridge.kernels.moe_quant import small_down_program, small_gate_up_program
 from ridge.kernels.rounding import round_to
 from ridge.kernels.silu_mul import silu_mul_sums
 
@@ -74,12 +73,8 @@ def _small_gate_up_int4_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.constexp
                                PDL: tl.constexpr, ASM: tl.constexpr):
     DT: tl.constexpr = X.dtype.element_ty
     BK8: tl.constexpr = BLOCK_K // 8
-    pair = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair, offs_n, n_mask, e = small_gate_up_program(Experts, inter, BLOCK_N, PDL)
     r = tl.arange(0, BK8)
-    n_mask = offs_n < inter
-    pdl_wait(PDL)       # the experts are the router's, x the norm's
-    e = tl.load(Experts + pair).to(tl.int64)
     w_gate = W + e * stride_we + offs_n[:, None] * stride_wn + r[None, :]
     w_up = w_gate + inter * stride_wn
     sz_gate = e * stride_se + offs_n * stride_sn
@@ -114,13 +109,9 @@ def _small_gate_up_int4_mma_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.cons
     row is row 0 of a 16-row operand (the other rows zero, free: the kernel is bound by the weights),
     and each plane is one tl.dot, so the multiply-add and the conversion to fp32 leave the issue slots."""
     DT: tl.constexpr = X.dtype.element_ty
-    pair = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair, offs_n, n_mask, e = small_gate_up_program(Experts, inter, BLOCK_N, PDL)
     r = tl.arange(0, 16)
     first = (tl.arange(0, 16) == 0)
-    n_mask = offs_n < inter
-    pdl_wait(PDL)       # the experts are the router's, x the norm's
-    e = tl.load(Experts + pair).to(tl.int64)
     w_gate = W + e * stride_we + offs_n[None, :] * stride_wn + r[:, None]       # [16 words of K, BLOCK_N]
     w_up = w_gate + inter * stride_wn
     sz_gate = e * stride_se + offs_n * stride_sn

@@ -134,3 +134,14 @@ def small_down_program(Experts, N, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, 
     pdl_wait(PDL)       # the hidden rows are the gate/up kernel's output
     e = tl.load(Experts + t * TOP_K + js, mask=j_mask, other=0).to(tl.int64)
     return t, offs_n, offs_n < N, js, j_mask, e
+
+
+@triton.jit
+def small_gate_up_program(Experts, inter, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """A small-path gate/up kernel's program (every format's): its (token, expert) pair, BLOCK_N
+    columns of the intermediate (and their mask) and the pair's expert e."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pdl_wait(PDL)       # the experts are the router's, x the norm's
+    e = tl.load(Experts + pair).to(tl.int64)
+    return pair, offs_n, offs_n < inter, e
