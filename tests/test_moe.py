@@ -136,18 +136,19 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     # the reference is the dequantized experts' float MoE
     assert torch.equal(ref, fused_moe_ref(x, dequantize_experts(w13), dequantize_experts(w2), weights, experts).float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 32, 4, 1),) * 2)
-    # the small path scales each group's fp32 sums (ridge/kernels/moe_int4.py) instead of rounding
-    # every dequantized weight to the activation dtype: in bf16 it is held to the unrounded dequantized
-    # MoE in fp32, no farther from it than twice the reference (whose rounded weights put it ~1 ulp off)
-    # (gate/up with 128-wide K tiles runs on tensor cores: checked too, its second tile a short one)
-    small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 128, 4, 1), SmallTiles(32, 32, 4, 1)))
-    exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
-    for got in (small, small_mma):
-        if dtype == torch.float32:
-            torch.testing.assert_close(got.float(), ref, **tol)
-        else:
-            assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
+    if T <= 16:          # the small path serves only steps of <= SMALL_MAX_TOKENS (16) tokens
+        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 32, 4, 1),) * 2)
+        # the small path scales each group's fp32 sums (ridge/kernels/moe_int4.py) instead of rounding
+        # every dequantized weight to the activation dtype: in bf16 it is held to the unrounded dequantized
+        # MoE in fp32, no farther from it than twice the reference (whose rounded weights put it ~1 ulp off)
+        # (gate/up with 128-wide K tiles runs on tensor cores: checked too, its second tile a short one)
+        small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 128, 4, 1), SmallTiles(32, 32, 4, 1)))
+        exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
+        for got in (small, small_mma):
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.float(), ref, **tol)
+            else:
+                assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
     # the grouped path: the generic tile loads (32-wide K) and the nibble planes (one 128-wide group a
     # K step, each weight rounded as the reference's), both held to the reference
     for bm, bk, fuse_sum in ((16, 32, True), (32, 32, False), (16, 128, True), (32, 128, False)):
