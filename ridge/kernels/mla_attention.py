@@ -23,7 +23,7 @@ from ridge.kernels.attention_ref import causal_attention_ref
 from ridge.kernels.decode_attention import _merge_kernel, choose_num_splits
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E
-from ridge.kernels.rotary import rotate_heads, apply_rotary_ref, launch_config, slot_row
+from ridge.kernels.rotary import apply_rotary_ref, cos_sin_row, launch_config, rotate_heads, slot_row
 from ridge.kernels.rounding import emulate_rne
 
 
@@ -54,21 +54,19 @@ def _rope_write_latent_kernel(QPe, QOut, KPe, KOut, Latent, Pos, Cos, Sin, Cache
     row = slot_row(Cache, slot, stride_cb, stride_ct, PAGE)
     offs_r = tl.arange(0, BLOCK_R)
     c = tl.load(Latent + tok * stride_lt + offs_r, mask=offs_r < R, other=0.0)   # only copied: issued first
-    pos = tl.load(Pos + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = cos_sin_row(Pos, tok, Cos, Sin, stride_cp, stride_cd, stride_sp, stride_sd, HALF, BLOCK_HALF)
     rotate_heads(QPe, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
-                  QOut, 0, QOut, 0, False, QOut, 1.0, H, HALF, BLOCK_H, BLOCK_HALF, EMULATE_RNE, False, False, False,
-                  "ieee")
+                 QOut, 0, QOut, 0, False, QOut, 1.0, H, HALF, BLOCK_H, BLOCK_HALF, EMULATE_RNE, False, False, False,
+                 "ieee")
     # the shared key part: one "head", its rotated row stored into the slot after the latent
     rotate_heads(KPe, KOut, tok, cos, sin, stride_kt, 0, stride_kd, 2 * HALF, 0, 1, row + R, 0, row, 0, to_cache,
-                  KOut, 1.0, 1, HALF, 1, BLOCK_HALF, EMULATE_RNE, True, False, False, "ieee")
+                 KOut, 1.0, 1, HALF, 1, BLOCK_HALF, EMULATE_RNE, True, False, False, "ieee")
     tl.store(row + offs_r, c.to(Cache.dtype.element_ty), mask=(offs_r < R) & to_cache)
 
 
 def rope_write_latent(positions: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                      cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
     """rope_write_latent_ref in one launch, one program a token (ridge/kernels/rotary.py's design:
     the cos/sin row gathered once for the query's heads and the shared key, the rotated key stored
     from registers), with no host-side look at the slots (a CUDA graph holds it). The rotation is

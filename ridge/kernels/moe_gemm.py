@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.moe_quant import (FP8_BLOCK, Fp8Experts, Int4Experts, check_tiles, dequantize_experts,  # noqa: F401
-                                     INT4, expert_tables, load_weight_tile, small_down_program, small_gate_up_program,
-                                     tiles_fit)
+                                     INT4, INT4_GROUP, expert_tables, load_weight_tile, small_down_program,
+                                     small_gate_up_program, tiles_fit)
 from ridge.kernels.moe_int4 import grouped_int4_planes, planes_asm, small_int4
 from ridge.kernels.moe_route import align_by_expert
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
@@ -318,8 +318,8 @@ def grouped_gemm(x, w, layout, num_pairs: int, x_rows_per_pair: int, tiles: Grou
         x, w, ws, wz, out, pair_order, block_expert, route_weights, scratch, arrived, num_pairs, n, K,
         x_rows_per_pair, nb, x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8, GATED=gated, TOP_K=top_k,
-        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FMT=fmt, PLANES=fmt == INT4 and tiles.block_k == 128,
-        ASM=planes_asm(x), num_warps=tiles.num_warps,
+        FUSE_SUM=fuse_sum, EMULATE_RNE=emulate_rne(x), PDL=pdl, FMT=fmt,
+        PLANES=fmt == INT4 and tiles.block_k == INT4_GROUP, ASM=planes_asm(x), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **launch_options(pdl))
     if top_k and not fuse_sum:
         return scratch.view(-1, top_k, n).sum(dim=1)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ridge.kernels.int4_gemv import dequant_plane, planes_dot, x_planes
-from ridge.kernels.moe_quant import small_down_program, small_gate_up_program
+from ridge.kernels.moe_quant import INT4_GROUP, small_down_program, small_gate_up_program
 from ridge.kernels.rounding import round_to
 from ridge.kernels.silu_mul import silu_mul_sums
 
@@ -138,7 +138,8 @@ def _small_gate_up_int4_mma_kernel(X, W, WS, WZ, Experts, Out, inter, K: tl.cons
         acc_u += du * tl.load(WS + sz_up + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     g_row = tl.sum(tl.where(first[:, None], acc_g, 0.0), axis=0)
     u_row = tl.sum(tl.where(first[:, None], acc_u, 0.0), axis=0)
-    tl.store(Out + pair * stride_ot + offs_n, silu_mul_sums(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE), mask=n_mask)
+    y = silu_mul_sums(g_row, u_row, Out.dtype.element_ty, EMULATE_RNE)
+    tl.store(Out + pair * stride_ot + offs_n, y, mask=n_mask)
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def small_int4(x, hidden, out, w13, w2, weights, experts, gu, dn, dn_k: int, pdl
     args = (x, w13.q, w13.scale, w13.zero, experts, hidden, inter, H, top_k, x.stride(0), w13.q.stride(0),
             w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1), hidden.stride(0))
     grid = (T * top_k, triton.cdiv(inter, gu.block_n))
-    if gu.block_k == 128:          # planes 16 words deep: the MMA's K
+    if gu.block_k == INT4_GROUP:   # planes 16 words deep: the MMA's K
         _small_gate_up_int4_mma_kernel[grid](*args, BLOCK_N=gu.block_n, NUM_STAGES=gu.num_stages, EMULATE_RNE=rne,
                                              PDL=pdl, ASM=asm, num_warps=gu.num_warps, **launch)
     else:

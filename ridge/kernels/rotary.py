@@ -113,11 +113,23 @@ def _quantize(x, scale_bytes):
 
 
 @triton.jit
+def cos_sin_row(Pos, tok, Cos, Sin, stride_cp, stride_cd, stride_sp, stride_sd, HALF: tl.constexpr,
+                BLOCK_HALF: tl.constexpr):
+    """Token tok's cos and sin, fp32 [1, BLOCK_HALF]: the first half of its position's table rows
+    (the halves are equal, module docstring)."""
+    pos = tl.load(Pos + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def rotate_heads(X, Out, tok, cos, sin, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
-                  CacheRow, stride_ch, ScaleRow, stride_sh, to_cache, Signs, rsqrt_d,
-                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                 CacheRow, stride_ch, ScaleRow, stride_sh, to_cache, Signs, rsqrt_d,
+                 H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 EMULATE_RNE: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Rotate token `tok`'s H heads of X into Out; with TO_CACHE (k, not q), also store them into
     the cache slot whose row starts at CacheRow (last dim contiguous), where `to_cache` holds.
     ROTATE: then the Hadamard rotation, [o1 | o2] @ S / sqrt(d) = (o1 @ S_top + o2 @ S_bot) / sqrt(d)
@@ -201,16 +213,13 @@ def _rope_kv_write_kernel(Q, K, V, QOut, KOut, VOut, Pos, Cos, Sin, KCache, VCac
     v_ok = (hv < HK) & (dv < 2 * HALF)
     v_mask = v_ok & to_cache
     v = tl.load(V + tok * stride_vt + hv * stride_vh + dv * stride_vd, mask=v_ok if FP8 else v_mask, other=0.0)
-    pos = tl.load(Pos + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(Cos + pos * stride_cp + d * stride_cd, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + pos * stride_sp + d * stride_sd, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = cos_sin_row(Pos, tok, Cos, Sin, stride_cp, stride_cd, stride_sp, stride_sd, HALF, BLOCK_HALF)
     rotate_heads(Q, QOut, tok, cos, sin, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, stride_qod,
-                  QOut, 0, QOut, 0, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
-                  ROTATE, PRECISION)
+                 QOut, 0, QOut, 0, False, Signs, rsqrt_d, HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE, False, False,
+                 ROTATE, PRECISION)
     rotate_heads(K, KOut, tok, cos, sin, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, stride_kod,
-                  k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), stride_ksh, to_cache, Signs,
-                  rsqrt_d, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True, FP8, ROTATE, PRECISION)
+                 k_row, stride_kch, slot_row(KScale, slot, stride_ksb, stride_kst, PAGE), stride_ksh, to_cache, Signs,
+                 rsqrt_d, HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE, True, FP8, ROTATE, PRECISION)
     v_row = slot_row(VCache, slot, stride_vcb, stride_vct, PAGE)
     if FP8:
         # every row, padding included, gets its dequantized v: attention reads it like the cache's

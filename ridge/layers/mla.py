@@ -9,7 +9,8 @@ that many more tokens. The per-head K and V are never stored: head h's K_nope an
 latent times its slices of W_kv_b. The attention itself is ridge/kernels/mla_attention.py's: on
 CUDA (and under the Triton backend) a decode-only step runs the absorbed kernel, and rotary and the
 cache write one kernel (`rope_write_latent`: torch's rotary is a chain of small elementwise
-kernels), with no host-side look at the batch, so the padded static decode path holds the step; prefill (and a CPU's torch backend) runs the reference that expands the latents.
+kernels), with no host-side look at the batch, so the padded static decode path holds the step;
+prefill (and a CPU's torch backend) runs the reference that expands the latents.
 
 Cost (what the absorbed decode form moves and computes, the design the kernels follow): each
 cached row is read once for all heads (r + rope values); the up-projections fold into the query
