@@ -79,7 +79,7 @@
 #                  weights; a shape whose share does not fit a GPU is skipped), batch 1 and 64 (TP_ARGS passes
 #                  flags, e.g. --tp 1 2 4) -> tp_decode.json -- 2+ GPUs
 #   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
-#                  without them) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
+#                  without them; TP_COMM_SHAPE=llama3-70b for the 70B shape: 2 H200s) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
 #                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
 #   tp-scale       benchmarks/tp.py scale on the 70B shape in bf16 (config only, dummy weights) at TP = 4 and 8
 #                  (SCALE_TP overrides, e.g. "2 4"; a size over the GPUs present is skipped): TTFT of a 4,096-token
@@ -315,7 +315,7 @@ part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b $
 part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; python3 benchmarks/case_study_70b.py round --round \$R \
     --model /tmp/llama3-70b --out \$D --budget-s \$(( $(left) - 30 )) ${CASE_ARGS:-} 2>&1 | grep -v -i warn | tail -20; \
     cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
-part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape llama3-8b --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
+part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape ${TP_COMM_SHAPE:-llama3-8b} --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
     | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"
 # tp-scale: the sizes' engine runs get what is left less 90 s (the ceilings and the links among N, measured at the end)
 part tp-scale 300 600 "python3 benchmarks/tp.py scale --shapes llama3-70b --tp ${SCALE_TP:-4 8} --budget-s \$(( $(left) - 90 )) \
