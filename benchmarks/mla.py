@@ -2,8 +2,9 @@
 latent cache at the DeepSeek-V2-Lite (16 heads) and V3 (128 heads) shapes (kv_lora_rank 512,
 rope 64), batch 1..128 x context 4k..32k; JSON to --json, a table last.
 
-Per case: the kernel alone (split-KV + merge, CUDA-graph replay; each tile set of TILES, the
-fastest reported) and the whole absorbed attention (q absorption and output up-projection by
+Per case: the kernel alone as the engine runs it (its tiles and split count; split-KV + merge,
+CUDA-graph replay), each tile set of TILES beside it (the fastest reported; --sweep-splits adds the
+fastest's time at 1..64 splits), and the whole absorbed attention (q absorption and output up-projection by
 batched GEMMs around it); achieved bandwidth of the latent bytes read ((r + rope) x 2 bytes a
 cached token, once for all heads) over the measured copy bandwidth; TFLOP/s (2 (r + rope) + 2 r
 a head a key) over the measured bf16 matrix roof. Peer, same run: PyTorch SDPA over the same
@@ -32,13 +33,18 @@ from ridge.bench.common import device_name, format_table, write_json  # noqa: E4
 
 SHAPES = {"deepseek-v2-lite": dict(H=16, nope=128, v=128), "deepseek-v3": dict(H=128, nope=128, v=128)}
 R, ROPE, PAGE = 512, 64, 16
-TILES = {"deepseek-v2-lite": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 3)],
-         "deepseek-v3": [(16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3)]}
+# (heads a program, keys a tile, warps, stages[, keys as the dots' M side])
+TILES = {"deepseek-v2-lite": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 3),
+                              (16, 64, 4, 2, True), (16, 64, 4, 3, True), (16, 64, 8, 2, True)],
+         "deepseek-v3": [(16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3),
+                         (16, 64, 4, 3, True), (32, 64, 4, 2, True), (64, 64, 8, 2, True)]}
+SPLITS = [1, 2, 4, 8, 16, 32, 64]
 
 
-def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dict:
+def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float, sweep_splits: bool) -> dict:
     from ridge.kernels.attention_meta import AttentionMetadata
-    from ridge.kernels.mla_attention import MLADecodeTiles, absorb_query, mla_decode_attention, unabsorb_output
+    from ridge.kernels.mla_attention import (MLADecodeTiles, absorb_query, mla_decode_attention, mla_decode_tiles,
+                                             mla_num_splits, unabsorb_output)
 
     H, pages_each = s["H"], -(-L // PAGE)
     cache = torch.randn(B * pages_each, PAGE, 1, R + ROPE, device="cuda", generator=gen).bfloat16()
@@ -61,23 +67,37 @@ def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float) -> dic
         if tm is not None:
             tiles[t] = tm.median_us
     best = min(tiles, key=tiles.get)
+    engine = time_calls([lambda: mla_decode_attention(q_lat, q_pe, cache, meta, scale)] * 5, reps=15).median_us
+    auto = mla_num_splits(B, -(-H // best[0]), L, MLADecodeTiles(*best).num_warps, cache.device)
+    splits = {}
+    for n in SPLITS if sweep_splits else []:
+        if n == 1 or L // n >= 128:
+            tm = try_time(f"splits {n}", lambda n=n: time_calls([lambda: mla_decode_attention(
+                q_lat, q_pe, cache, meta, scale, num_splits=n, tiles=MLADecodeTiles(*best))] * 5, reps=15))
+            if tm is not None:
+                splits[n] = tm.median_us
     whole = time_calls([lambda: unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache,
-                                                                     meta, scale, tiles=MLADecodeTiles(*best)),
-                                                kv_b, s["nope"])] * 5, reps=15).median_us
+                                                                     meta, scale), kv_b, s["nope"])] * 5,
+                       reps=15).median_us
     # the peer: SDPA over the same latents, contiguous
     lat = cache[tables.long()].view(B, 1, pages_each * PAGE, R + ROPE)[:, :, :L]
     q_full = torch.cat((q_lat, q_pe), dim=-1)[:, :, None]
     sdpa = try_time("sdpa", lambda: time_calls([lambda: F.scaled_dot_product_attention(
         q_full, lat, lat[..., :R], scale=scale, enable_gqa=True)] * 5, reps=15))
-    us = tiles[best]
-    row = dict(shape=name, batch=B, context=L, heads=H, kernel_us=us, tiles=list(best),
-               tiles_us={str(k): v for k, v in tiles.items()}, attention_us=whole,
+    us = engine
+    row = dict(shape=name, batch=B, context=L, heads=H, kernel_us=us, engine_tiles=list(mla_decode_tiles(H)),
+               best_tiles=list(best), best_tiles_us=tiles[best], tiles_us={str(k): v for k, v in tiles.items()},
+               attention_us=whole, auto_splits=auto,
+               splits_us=splits, best_splits=min(splits, key=splits.get) if splits else None,
                latent_gb_per_s=latent_bytes / us / 1e3, fraction_of_copy=latent_bytes / us / 1e-6 / bw,
                tflops=flops / us / 1e6, fraction_of_roof=flops / us / 1e-6 / roof,
                sdpa_us=sdpa.median_us if sdpa else None, vs_sdpa=sdpa.median_us / us if sdpa else None)
-    print(f"  {name} B={B} L={L}: {us:.1f} us {tuple(best)}, {row['latent_gb_per_s']:.0f} GB/s = "
+    print(f"  {name} B={B} L={L}: {us:.1f} us (best tiles {tuple(best)} {tiles[best]:.1f} us), "
+          f"{row['latent_gb_per_s']:.0f} GB/s = "
           f"{row['fraction_of_copy']:.1%} of copy, {row['tflops']:.0f} TFLOP/s; whole {whole:.1f} us; "
           f"sdpa {row['sdpa_us'] or float('nan'):.1f} us", flush=True)
+    if splits:
+        print(f"    splits (auto {auto}): " + ", ".join(f"{k} {v:.1f}" for k, v in splits.items()), flush=True)
     return row
 
 
@@ -121,8 +141,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
-    ap.add_argument("--prefill-lens", nargs="+", type=int, default=[1024, 4096, 16384],
+    ap.add_argument("--prefill-lens", nargs="*", type=int, default=[1024, 4096, 16384],
                     help="prompt lengths of the expanded prefill's timing (none: skip it)")
+    ap.add_argument("--sweep-splits", action="store_true",
+                    help="also time the best tiles at 1..64 splits (the engine's choice is auto_splits)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,15 +156,18 @@ def main(argv=None) -> int:
     for n in a.shapes:
         for B in a.batches:
             for L in a.contexts:
-                rows.append(case(n, SHAPES[n], B, L, gen, ceil.bandwidth, ceil.peak("bf16")))
+                rows.append(case(n, SHAPES[n], B, L, gen, ceil.bandwidth, ceil.peak("bf16"), a.sweep_splits))
                 torch.cuda.empty_cache()
     prefill = [prefill_case(n, SHAPES[n], L, gen, ceil.peak("bf16")) for n in a.shapes for L in a.prefill_lens]
     r = dict(device=device_name(torch.device("cuda")), bandwidth=ceil.bandwidth, bf16_roof=ceil.peak("bf16"), rows=rows,
              prefill=prefill)
     if a.json:
         write_json(a.json, r)
-    print(format_table(["shape", "B", "L", "us", "GB/s", "of copy", "TFLOP/s", "of roof", "whole us", "vs SDPA"],
-                       [[x["shape"], x["batch"], x["context"], f"{x['kernel_us']:.1f}", f"{x['latent_gb_per_s']:.0f}",
+    print(format_table(["shape", "B", "L", "us", "best tiles: us", "splits auto/best", "GB/s", "of copy", "TFLOP/s",
+                        "of roof", "whole us", "vs SDPA"],
+                       [[x["shape"], x["batch"], x["context"], f"{x['kernel_us']:.1f}",
+                         ",".join(map(str, x["best_tiles"])) + f": {x['best_tiles_us']:.1f}",
+                         f"{x['auto_splits']}/{x['best_splits'] or '-'}", f"{x['latent_gb_per_s']:.0f}",
                          f"{x['fraction_of_copy']:.1%}", f"{x['tflops']:.0f}", f"{x['fraction_of_roof']:.1%}",
                          f"{x['attention_us']:.1f}", f"{x['vs_sdpa']:.2f}x" if x["vs_sdpa"] else "n/a"] for x in rows],
                        title=f"MLA decode attention, bf16, {r['device']}"))

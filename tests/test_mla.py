@@ -135,15 +135,18 @@ def _decode_batch(ctx_lens, H, r, rope, nope, v, dtype, page=16, seed=0, q_lens=
 
 
 @interpret
+@pytest.mark.parametrize("keys_major", [False, True], ids=["heads-major", "keys-major"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("H", [4, 20])          # fewer heads than BLOCK_H; more than one head block
-def test_absorbed_decode_matches_the_expanded_reference(H, splits):
-    from ridge.kernels.mla_attention import absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output
+def test_absorbed_decode_matches_the_expanded_reference(H, splits, keys_major):
+    from ridge.kernels.mla_attention import (MLADecodeTiles, absorb_query, mla_attention_ref, mla_decode_attention,
+                                             unabsorb_output)
     r, rope, nope, v = 32, 8, 16, 24
     q, cache, kv_b, meta = _decode_batch([1, 17, 70, 33], H, r, rope, nope, v, torch.float32)
     ref = mla_attention_ref(q, cache, kv_b, meta, 0.3, nope, v)
     q_nope, q_pe = q.split([nope, rope], dim=-1)
-    o_lat = mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 0.3, num_splits=splits)
+    o_lat = mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 0.3, num_splits=splits,
+                                 tiles=MLADecodeTiles(16, 32, 4, 2, keys_major))
     torch.testing.assert_close(unabsorb_output(o_lat, kv_b, nope), ref, atol=2e-5, rtol=2e-5)
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from ridge.kernels.mla_attention import absorb_query, mla_attention_ref, mla_decode_attention, unabsorb_output
+from ridge.kernels.mla_attention import (MLADecodeTiles, absorb_query, mla_attention_ref, mla_decode_attention,
+                                         unabsorb_output)
 from test_mla import _decode_batch
 
 pytestmark = pytest.mark.gpu
@@ -17,15 +18,17 @@ def _on_cuda(meta):
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
+@pytest.mark.parametrize("keys_major", [False, True], ids=["heads-major", "keys-major"])
 @pytest.mark.parametrize("H", [16, 128])
-def test_absorbed_decode_at_model_shapes(H):
+def test_absorbed_decode_at_model_shapes(H, keys_major):
     q, cache, kv_b, meta = _decode_batch([1, 300, 4100, 2000], H, 512, 64, 128, 128, torch.bfloat16)
     q, cache, kv_b = q.cuda(), cache.cuda(), kv_b.cuda()
     meta = _on_cuda(meta)
     ref = mla_attention_ref(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
     q_nope, q_pe = q.split([128, 64], dim=-1)
-    out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 192 ** -0.5),
-                          kv_b, 128).float()
+    tiles = MLADecodeTiles(min(H, 32), 64, 4, 2, True) if keys_major else None
+    out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 192 ** -0.5,
+                                               tiles=tiles), kv_b, 128).float()
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 2e-2, rel
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.attention_ref import causal_attention_ref
-from ridge.kernels.decode_attention import _merge_kernel, choose_num_splits
+from ridge.kernels.decode_attention import _INTERPRET, _MAX_SPLITS, _device_sms, _merge_kernel, choose_num_splits
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E
 from ridge.kernels.rotary import apply_rotary_ref, cos_sin_row, launch_config, rotate_heads, slot_row
@@ -136,7 +136,7 @@ def _mla_decode_kernel(QLat, QPe, Cache, Out, O_part, Lse, page_tables, query_st
                        num_splits, num_heads, stride_qt, stride_qh, stride_pt, stride_ph, stride_cb, stride_ct,
                        stride_ot, stride_oh, stride_bt, R: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                       DIRECT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       KEYS_MAJOR: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     seq, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
@@ -157,7 +157,11 @@ def _mla_decode_kernel(QLat, QPe, Cache, Out, O_part, Lse, page_tables, query_st
     bt_row = page_tables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    if KEYS_MAJOR:      # the keys as the dots' M side: [N, r] x [r, H] and [r, N] x [N, H]
+        q_lat_t, q_pe_t = tl.trans(q_lat), tl.trans(q_pe)
+        acc_t = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         k_idx = start_n + offs_n
         k_ok = k_idx < end
@@ -165,16 +169,29 @@ def _mla_decode_kernel(QLat, QPe, Cache, Out, O_part, Lse, page_tables, query_st
         row = Cache + page[:, None] * stride_cb + (k_idx % PAGE).to(tl.int64)[:, None] * stride_ct
         c = tl.load(row + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)       # [N, R]
         k_pe = tl.load(row + R + offs_p[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=PRECISION) * qk_scale         # log2 domain
-        qk = tl.where(k_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        if KEYS_MAJOR:
+            qk_t = tl.dot(c, q_lat_t, input_precision=PRECISION)
+            qk_t = tl.dot(k_pe, q_pe_t, qk_t, input_precision=PRECISION) * qk_scale           # log2 domain
+            qk_t = tl.where(k_ok[:, None], qk_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            p_t = tl.math.exp2(qk_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(c), p_t.to(c.dtype), input_precision=PRECISION)
+        else:
+            qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+            qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=PRECISION) * qk_scale     # log2 domain
+            qk = tl.where(k_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
         m_i = m_new
+    if KEYS_MAJOR:
+        acc = tl.trans(acc_t)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if DIRECT:
@@ -187,17 +204,36 @@ def _mla_decode_kernel(QLat, QPe, Cache, Out, O_part, Lse, page_tables, query_st
         tl.store(Lse + part, lse, mask=h_ok)
 
 
+def mla_num_splits(batch: int, head_blocks: int, max_seq_len: int, num_warps: int, device: torch.device) -> int:
+    """Split-KV programs for the absorbed decode: one program a (sequence, head block, split).
+
+    Unlike GQA's, every split here writes a whole head block's partial output (BLOCK_H x r fp32,
+    read back by the merge: 16 heads x 2 KB against 1.1 KB a cached token), so more splits than
+    fill the SMs cost bytes. Measured (benchmarks/mla.py --sweep-splits, BENCHMARKS.md): the
+    latent stream saturates an SM with two 4-warp programs or one 8-warp program, so as many
+    splits as give every SM that many, at least two (a shorter tail), and no split under 256
+    keys - 128 when the whole batch is one or two program rows and only latency counts."""
+    if device.type != "cuda" or _INTERPRET:
+        return choose_num_splits(batch, head_blocks, max_seq_len, device)
+    rows = batch * head_blocks
+    per_sm = 2 if num_warps <= 4 else 1
+    splits = max(per_sm * _device_sms(device) // rows, 2)
+    return max(1, min(splits, _MAX_SPLITS, max_seq_len // (128 if rows <= 2 else 256)))
+
+
 class MLADecodeTiles(NamedTuple):
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
+    keys_major: bool = False
 
 
 def mla_decode_tiles(num_heads: int) -> MLADecodeTiles:
-    """Measured on an H200 (benchmarks/mla.py; BENCHMARKS.md): 16 heads a program at V2-Lite's 16,
-    64 heads a program with 8 warps at V3's 128 (fewer re-reads of each latent tile)."""
-    return MLADecodeTiles(64, 32, 8, 2) if num_heads >= 64 else MLADecodeTiles(16, 32, 4, 2)
+    """Measured (benchmarks/mla.py; BENCHMARKS.md): 64 keys a tile as the dots' M side (the
+    tensor cores' 64-row instructions, fed from shared memory, at any head count), 16 heads a
+    program at V2-Lite's 16, 64 heads with 8 warps at V3's 128 (fewer re-reads of each tile)."""
+    return MLADecodeTiles(64, 64, 8, 2, True) if num_heads >= 64 else MLADecodeTiles(16, 64, 4, 3, True)
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -219,10 +255,10 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     batch = meta.num_seqs
     if B == 0 or batch == 0:
         return out
-    block_h, block_n, warps, stages = tiles or mla_decode_tiles(H)
+    block_h, block_n, warps, stages, keys_major = tiles or mla_decode_tiles(H)
     page = cache.shape[1]
     if num_splits is None:
-        num_splits = choose_num_splits(batch, triton.cdiv(H, block_h), meta.max_seq_len, q_lat.device)
+        num_splits = mla_num_splits(batch, triton.cdiv(H, block_h), meta.max_seq_len, warps, q_lat.device)
     o_part = lse = out
     if num_splits > 1:
         o_part = torch.empty(batch * H * num_splits * R, dtype=torch.float32, device=q_lat.device)
@@ -234,8 +270,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         H, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         out.stride(0), out.stride(1), bt.stride(0), R=R, ROPE=rope, BLOCK_R=triton.next_power_of_2(R),
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page,
-        DIRECT=num_splits == 1, PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=warps, num_stages=stages, **launch_options(pdl))
+        KEYS_MAJOR=keys_major, DIRECT=num_splits == 1,
+        PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps, num_stages=stages,
+        **launch_options(pdl))
     if num_splits > 1:
         _merge_kernel[(batch, H)](out, o_part, lse, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
                                   HEAD_DIM=R, SPLITS_P2=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
