@@ -85,7 +85,7 @@ def case(name: str, s: dict, B: int, L: int, gen, bw: float, roof: float, sweep_
     sdpa = try_time("sdpa", lambda: time_calls([lambda: F.scaled_dot_product_attention(
         q_full, lat, lat[..., :R], scale=scale, enable_gqa=True)] * 5, reps=15))
     us = engine
-    row = dict(shape=name, batch=B, context=L, heads=H, kernel_us=us, engine_tiles=list(mla_decode_tiles(H)),
+    row = dict(shape=name, batch=B, context=L, heads=H, kernel_us=us, engine_tiles=list(mla_decode_tiles(H, B)),
                best_tiles=list(best), best_tiles_us=tiles[best], tiles_us={str(k): v for k, v in tiles.items()},
                attention_us=whole, auto_splits=auto,
                splits_us=splits, best_splits=min(splits, key=splits.get) if splits else None,

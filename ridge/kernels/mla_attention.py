@@ -229,11 +229,15 @@ class MLADecodeTiles(NamedTuple):
     keys_major: bool = False
 
 
-def mla_decode_tiles(num_heads: int) -> MLADecodeTiles:
-    """Measured (benchmarks/mla.py; BENCHMARKS.md): 64 keys a tile as the dots' M side (the
-    tensor cores' 64-row instructions, fed from shared memory, at any head count), 16 heads a
-    program at V2-Lite's 16, 64 heads with 8 warps at V3's 128 (fewer re-reads of each tile)."""
-    return MLADecodeTiles(64, 64, 8, 2, True) if num_heads >= 64 else MLADecodeTiles(16, 64, 4, 3, True)
+def mla_decode_tiles(num_heads: int, batch: int) -> MLADecodeTiles:
+    """Measured (benchmarks/mla.py; BENCHMARKS.md), each form where it wins: at V3's 128 heads, 64
+    heads a program with 8 warps (fewer re-reads of each latent tile) and 64 keys as the dots' M
+    side (the tensor cores' 64-row instructions fed from shared memory); at V2-Lite's 16, 16 heads
+    a program, heads-major over 32-key tiles from batch 8 on (the [16, 512] accumulator in 4
+    warps' registers, 3 stages in flight), the keys-major form at batch 1."""
+    if num_heads >= 64:
+        return MLADecodeTiles(64, 64, 8, 2, True)
+    return MLADecodeTiles(16, 64, 4, 3, True) if batch <= 4 else MLADecodeTiles(16, 32, 4, 3)
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -255,7 +259,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     batch = meta.num_seqs
     if B == 0 or batch == 0:
         return out
-    block_h, block_n, warps, stages, keys_major = tiles or mla_decode_tiles(H)
+    block_h, block_n, warps, stages, keys_major = tiles or mla_decode_tiles(H, batch)
     page = cache.shape[1]
     if num_splits is None:
         num_splits = mla_num_splits(batch, triton.cdiv(H, block_h), meta.max_seq_len, warps, q_lat.device)
