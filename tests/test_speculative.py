@@ -32,11 +32,15 @@ PROMPTS = [repetitive(i) for i in range(3)] + [prompt_of(21, 5), prompt_of(3, 6)
 
 
 def llm(model, **kw):
-    """An engine; with speculation, its step clock always lets drafts run: whether they pay in time
-    on this machine is the clock's own test, the rest of this file checks what they do."""
+    """An engine; with speculation, its step clock always lets drafts run and, unless the config
+    sets disable_by_batch_size, no batch size turns them off: whether they pay on this machine (in
+    time, or by the batch cutoff from its measured ceilings) is the clock's and
+    memory_bound_batch's own test, the rest of this file checks what they do."""
     engine_llm = LLM(model, device="cpu", show_progress=False, max_model_len=256, **kw)
     if engine_llm.engine.speculator is not None:
         engine_llm.engine.speculator.clock.pays = lambda batch: True
+        if "disable_by_batch_size" not in (kw.get("speculative_config") or {}):
+            engine_llm.engine.speculator.cutoff = engine_llm.engine.cfg.max_num_seqs
     return engine_llm
 
 
