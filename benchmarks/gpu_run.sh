@@ -79,7 +79,8 @@
 #                  weights; a shape whose share does not fit a GPU is skipped), batch 1 and 64 (TP_ARGS passes
 #                  flags, e.g. --tp 1 2 4) -> tp_decode.json -- 2+ GPUs
 #   tp-comm        benchmarks/tp.py comm (the collectives' exposed time in an 8B decode step, graphs replayed with and
-#                  without them; TP_COMM_SHAPE=llama3-70b for the 70B shape: 2 H200s) and ring (a decode plan through the step ring vs a gloo broadcast, batch 1 and 256)
+#                  without them; TP_COMM_SHAPE=llama3-70b for the 70B shape: 2 H200s) and ring (a decode plan
+#                  through the step ring vs a gloo broadcast, batch 1 and 256)
 #                  -> tp_comm.json, tp_ring.json -- 2+ GPUs
 #   tp-scale       benchmarks/tp.py scale on the 70B shape in bf16 (config only, dummy weights) at TP = 4 and 8
 #                  (SCALE_TP overrides, e.g. "2 4"; a size over the GPUs present is skipped): TTFT of a 4,096-token

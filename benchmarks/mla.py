@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-lens", nargs="*", type=int, default=[1024, 4096, 16384],
                     help="prompt lengths of the expanded prefill's timing (none: skip it)")
     ap.add_argument("--sweep-splits", action="store_true",
-                    help="also time the best tiles at 1..64 splits (the engine's choice is auto_splits)")
+                    help="also time the best tiles at 1..64 splits (auto_splits: mla_num_splits' count for them)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

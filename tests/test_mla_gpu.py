@@ -18,15 +18,17 @@ def _on_cuda(meta):
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-@pytest.mark.parametrize("keys_major", [False, True], ids=["heads-major", "keys-major"])
+@pytest.mark.parametrize("form", ["engine", "heads-major", "keys-major"])
 @pytest.mark.parametrize("H", [16, 128])
-def test_absorbed_decode_at_model_shapes(H, keys_major):
+def test_absorbed_decode_at_model_shapes(H, form):
+    """Each kernel form at both head counts, and the tiles the engine picks for this batch."""
     q, cache, kv_b, meta = _decode_batch([1, 300, 4100, 2000], H, 512, 64, 128, 128, torch.bfloat16)
     q, cache, kv_b = q.cuda(), cache.cuda(), kv_b.cuda()
     meta = _on_cuda(meta)
     ref = mla_attention_ref(q, cache, kv_b, meta, 192 ** -0.5, 128, 128).float()
     q_nope, q_pe = q.split([128, 64], dim=-1)
-    tiles = MLADecodeTiles(min(H, 32), 64, 4, 2, True) if keys_major else None
+    tiles = {"engine": None, "heads-major": MLADecodeTiles(min(H, 64), 32, 4 if H < 64 else 8, 2),
+             "keys-major": MLADecodeTiles(min(H, 32), 64, 4, 2, True)}[form]
     out = unabsorb_output(mla_decode_attention(absorb_query(q_nope, kv_b), q_pe, cache, meta, 192 ** -0.5,
                                                tiles=tiles), kv_b, 128).float()
     rel = ((out - ref).norm() / ref.norm()).item()
