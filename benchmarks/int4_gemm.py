@@ -3,6 +3,7 @@ torch's tinygemm int4, on the Llama-3-8B and -70B projection shapes.
 
     python benchmarks/int4_gemm.py [--json PATH] [--rows 1 2 4 ...] [--models llama3-8b llama3-70b]
                                    [--only o down] [--splits 1 2 4 8 16 32] [--dry-run]
+                                   [--gemv-configs 128,128,4,4 ...] [--gemm-configs 64,128,64,4,4 ...]
 
 (JSON defaults to $OUT/int4_gemm.json when OUT is set; --dry-run prints the plan without a GPU.)
 
@@ -148,6 +149,9 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
             res[f"{name}_us"], res[f"{name}_spread"], res[f"{name}_sets"] = t.median_us, t.spread, sets
     if args.splits and M <= 64 and "ridge" in peers:
         res["split_sweep"] = sweep_splits(xs, ridge_sets, calls, n_i4, args)
+    if (args.gemv_configs or args.gemm_configs) and "ridge" in peers:
+        res["config_sweep"] = sweep_configs(xs, ridge_sets, calls, n_i4, ref_of=lambda: xs[0].float() @ w_ref(qw, s, z),
+                                            args=args)
     r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")
     res["x_bf16"] = b_us / r_us if r_us and b_us else None
     res["x_tinygemm"] = t_us / r_us if r_us and t_us else None
@@ -178,6 +182,67 @@ def sweep_splits(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
     return out
 
 
+def w_ref(qw, s, z):
+    from ridge.kernels.int4_matmul import dequantize_int4
+    return dequantize_int4(qw, s, z, GROUP)
+
+
+def parse_config(text: str, counts: tuple[int, ...]) -> tuple[int, ...] | None:
+    """'128,128,4,4' -> (128, 128, 4, 4); None unless it is `counts` positive integers."""
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        return None
+    return vals if len(vals) in counts and min(vals) >= 1 else None
+
+
+def sweep_configs(xs, ridge_sets, calls: int, n_i4: int, ref_of, args) -> dict:
+    """The kernel int4_matmul takes at this M (the skinny kernel at M <= 32, else the GEMM) at each
+    launch config of --gemv-configs (BLOCK_N,BLOCK_K,warps,stages[,split]: the heuristic's split when
+    none is given) or --gemm-configs (BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,split]): {label: us} beside the
+    config the engine takes, each checked against the reference first (a wrong one is not timed)."""
+    from ridge.kernels import int4_gemv as gv
+    from ridge.kernels.int4_gemm import Int4GemmConfig, int4_gemm
+    qw, s, z = ridge_sets[0]
+    M, K = xs[0].shape
+    N = qw.shape[1]
+    outs = [torch.empty(M, N, device="cuda", dtype=DT) for _ in range(calls)]
+    ref = ref_of()
+    out: dict = {"us": {}, "wrong": {}}
+    if M <= gv.GEMV_MAX_M:
+        heur = gv.int4_gemv_config(M, N, K, GROUP, torch.cuda.get_device_properties(0).multi_processor_count)
+        out["engine"] = ",".join(map(str, heur))
+        configs = []
+        for text in args.gemv_configs or []:
+            v = parse_config(text, (4, 5))
+            cfg = gv.Int4GemvConfig(*v[:4], v[4] if len(v) == 5 else heur.split_k)
+            if -(-K // cfg.block_k) % cfg.split_k == 0:
+                configs.append((",".join(map(str, cfg)), cfg))
+
+        def call(i, cfg):
+            return gv.int4_gemv(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg)
+    else:
+        out["engine"] = "autotuned"
+        configs = [(text, Int4GemmConfig(*parse_config(text, (5, 6)))) for text in args.gemm_configs or []]
+
+        def call(i, cfg):
+            return int4_gemm(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg)
+    for label, cfg in configs:
+        try:
+            err = rel_err(call(0, cfg), ref)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported
+            out["wrong"][label] = short_error(e)
+            continue
+        if err > WRONG:
+            out["wrong"][label] = f"err {err:.2e}"
+            continue
+        t = try_time(label, lambda cfg=cfg: time_calls([(lambda i=i: call(i, cfg)) for i in range(calls)],
+                                                       sets=n_i4, reps=args.reps))
+        if t is not None:
+            out["us"][label] = t.median_us
+    return out
+
+
 def verdicts(rows: list[dict]) -> dict:
     """The issue's targets over the rows that have the numbers."""
     out = {}
@@ -203,12 +268,20 @@ def parse_args(argv=None):
     replay_options(ap, reps=30)
     ap.add_argument("--splits", type=int, nargs="*", default=None,
                     help="also time the M <= 64 kernel at these split-K values (e.g. 1 2 4 8 16 32)")
+    ap.add_argument("--gemv-configs", nargs="*", default=None, metavar="BN,BK,W,S[,SPLIT]",
+                    help="also time the skinny kernel (M <= 32) at these launch configs")
+    ap.add_argument("--gemm-configs", nargs="*", default=None, metavar="BM,BN,BK,W,S[,SPLIT]",
+                    help="also time the GEMM (M > 32) at these tiles instead of the autotuner's")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
     args = ap.parse_args(argv)
     if any(m < 1 for m in args.rows) or any(v < 1 for v in args.splits or []):
         ap.error("--rows and --splits must be positive")
     if args.calls < 1 or args.reps < 1:
         ap.error("--calls and --reps must be positive")
+    for flag, texts, counts in (("--gemv-configs", args.gemv_configs, (4, 5)), ("--gemm-configs", args.gemm_configs, (5, 6))):
+        bad = [t for t in texts or [] if parse_config(t, counts) is None]
+        if bad:
+            ap.error(f"{flag}: {bad} are not {' or '.join(map(str, counts))} comma-separated positive integers")
     known = {p for m in SHAPES.values() for (p, *_) in m}
     if args.only and not set(args.only) <= known:
         ap.error(f"--only: unknown projection(s) {sorted(set(args.only) - known)}; known: {sorted(known)}")
@@ -251,6 +324,16 @@ def main(argv=None) -> None:
             sw = r["split_sweep"]
             print(f"  {r['model']:<10} {r['proj']:<8} M={r['M']:<3} " + "  ".join(
                 f"{k}{'*' if k == sw['heuristic'] else ''}: {v:.1f}" for k, v in sw["us"].items()))
+    sweeps = [r for r in result["rows"] if r.get("config_sweep")]
+    if sweeps:
+        print("config sweep (us; engine = the config int4_matmul takes; best marked)")
+        for r in sweeps:
+            sw = r["config_sweep"]
+            best = min(sw["us"], key=sw["us"].get) if sw["us"] else None
+            print(f"  {r['model']:<10} {r['proj']:<8} M={r['M']:<3} ridge {fmt(r.get('ridge_us'), '.1f')} "
+                  f"(engine {sw['engine']})  " + "  ".join(f"{k}{'*' if k == best else ''}: {v:.1f}"
+                                                            for k, v in sw["us"].items())
+                  + (f"  wrong/failed: {sw['wrong']}" if sw["wrong"] else ""))
     v = result["verdicts"]
     print("targets: " + "; ".join(f"{k} {fmt(e.get('min'), '.2f')}"
                                   + (f" (>= {e['target']})" if "target" in e else "") + (" met" if e["met"] else " NOT met")

@@ -94,6 +94,16 @@ def test_gemm_kernel_matches_reference(M, G, dtype):
 
 
 @interpreted
+def test_gemm_with_a_given_tile():
+    """int4_gemm with a fixed tile (the benchmark's sweep) instead of the autotuner's: 32 x 16 x 32
+    tiles over M = 50, N = 40, K = 256 at G = 64 (per-tile scales, split-K 2)."""
+    from ridge.kernels.int4_gemm import Int4GemmConfig, int4_gemm
+    x, qw, s, z = make(50, 40, 256, 64, BF16, seed=7)
+    out = torch.full((50, 40), float("nan"), dtype=BF16)
+    check(int4_gemm(x, qw, s, z, 64, out, Int4GemmConfig(32, 16, 32, 1, 1)), x, qw, s, z, 64, True, "given tile")
+
+
+@interpreted
 def test_group_size_k_with_a_k_tail_and_leading_dims():
     """One group per column, K = 200 (not a multiple of the 64-wide tile); x [2, 3, K] -> [2, 3, N]."""
     x, qw, s, z = make(6, 24, 200, 200, BF16, seed=3)
@@ -213,17 +223,22 @@ def test_skinny_configs_fill_the_sms_within_the_partial_budget():
             bm = gv.block_m_for(M)
             tiles = -(-K // c.block_k)
             blocks = -(-N // c.block_n) * -(-M // bm)
+            cap = min(32, tiles // 2, K // (32 * M))
             assert c.block_k == 128 and tiles % c.split_k == 0 and tiles // c.split_k >= 2
             assert c.split_k * M * N * 4 <= N * K / 2 / 4 or c.split_k == 1     # partials <= 1/4
-            assert blocks * c.split_k <= gv.programs_per_sm(bm) * 132 or c.split_k == 1    # one resident wave
-            assert (2 * blocks * c.split_k > gv.programs_per_sm(bm) * 132 or tiles % (2 * c.split_k)
-                    or 2 * c.split_k > min(32, tiles // 2, K // (32 * M)))           # ... the largest one
+            # about TILES_PER_PROGRAM tiles a program (within a factor of 2), or more splits to give
+            # every SM a program, or the cap
+            per = tiles / c.split_k
+            assert (gv.TILES_PER_PROGRAM / 2 <= per <= 2 * gv.TILES_PER_PROGRAM or blocks * c.split_k <= 2 * 132
+                    or 2 * c.split_k > cap or tiles % (2 * c.split_k))
             assert c.num_warps == (2 if bm == 16 else 4) and c.block_n == 128
-    assert gv.int4_gemv_config(1, 6144, 4096, 128).split_k == 8           # qkv: 48 blocks -> 384 programs
-    assert gv.int4_gemv_config(1, 4096, 4096, 128).split_k == 16          # o: 32 blocks -> 512 programs
+            assert c.num_stages == (3 if bm == 16 else 4)
+    # the 70B projections at batch 1, the splits an H200 sweep found fastest or near it (BENCHMARKS.md)
+    assert [gv.int4_gemv_config(1, *LLAMA70B[p], 128).split_k for p in ("o", "gate_up", "down")] == [4, 4, 16]
+    assert gv.int4_gemv_config(1, 4096, 4096, 128).split_k == 8           # 8B o: 32 blocks, raised to fill
     assert gv.int4_gemv_config(1, 1024, 8192, 128).split_k == 32          # 70B k/v: 8 blocks
     assert gv.int4_gemv_config(16, 4096, 4096, 128).split_k == 8          # partial cap K / 32M = 8
-    assert gv.int4_gemv_config(1, 4096, 14336, 128).split_k == 16         # 112 tiles: splits dividing it
+    assert gv.int4_gemv_config(1, 4096, 14336, 128).split_k == 8          # 112 tiles: 8 splits of 14
     assert gemm_split_k(128, 4096, 4096, 132) == 4 and gemm_split_k(512, 28672, 4096, 132) == 1
 
 

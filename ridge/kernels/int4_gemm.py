@@ -25,6 +25,8 @@ kernel's, reduced in the same launch by the last-ticket program (ridge/kernels/i
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -143,14 +145,29 @@ def gemm_split_k(M: int, N: int, K: int, sms: int) -> int:
     return s
 
 
-def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor) -> torch.Tensor:
-    """out = x @ W for validated inputs (int4_matmul checks them): x [M, K] rows contiguous."""
+class Int4GemmConfig(NamedTuple):
+    """One tile of the GEMM, launched as given instead of autotuned (benchmarks/int4_gemm.py's sweep)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 0                 # 0: gemm_split_k's
+
+
+def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor,
+              config: Int4GemmConfig | None = None) -> torch.Tensor:
+    """out = x @ W for validated inputs (int4_matmul checks them): x [M, K] rows contiguous; config
+    fixes the tile (block_k must divide group_size or K, or be a multiple of group_size), else the
+    autotuner picks it."""
     M, K = x.shape
     N = qweight.shape[1]
     interpret = x.device.type != "cuda"
     sms = 132 if interpret else num_sms(x.device.index if x.device.index is not None
                                         else torch.cuda.current_device())
     split = 2 if interpret and K >= 4 * 64 else gemm_split_k(M, N, K, sms)
+    if config is not None and Int4GemmConfig(*config).split_k:
+        split = Int4GemmConfig(*config).split_k
     if split > 1:
         partials = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         counters = ticket_counters(x.device)
@@ -164,7 +181,13 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor) -> 
         return (tiles, split)
 
     pdl = use_pdl(x)
-    _int4_gemm_kernel[grid](x, qweight, scales, zeros, out, partials, counters, M, N, x.stride(0), out.stride(0),
-                            min(triton.next_power_of_2(M), 4096), K=K, G=group_size, SPLIT_K=split,
-                            EMULATE_RNE=interpret, PDL=pdl, **launch_options(pdl))
+    args = (x, qweight, scales, zeros, out, partials, counters, M, N, x.stride(0), out.stride(0),
+            min(triton.next_power_of_2(M), 4096))
+    consts = dict(K=K, G=group_size, SPLIT_K=split, EMULATE_RNE=interpret, PDL=pdl, **launch_options(pdl))
+    if config is None:
+        _int4_gemm_kernel[grid](*args, **consts)
+    else:
+        c = Int4GemmConfig(*config)
+        _int4_gemm_kernel.fn[grid](*args, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=8,
+                                   num_warps=c.num_warps, num_stages=c.num_stages, **consts)
     return out

@@ -58,6 +58,7 @@ Design (per program: BLOCK_M rows of x, BLOCK_N output columns, one K range):
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -270,22 +271,25 @@ def block_m_for(M: int) -> int:
     return 16 if M <= 16 else 32
 
 
-def programs_per_sm(block_m: int) -> int:
-    """Resident programs per SM of the default configs: BLOCK_M 16 is smem-bound (4 stages of
-    ~12.5 KB), BLOCK_M 32 register-bound (4 warps x ~230 registers)."""
-    return 4 if block_m == 16 else 2
+TILES_PER_PROGRAM = 12
 
 
 def split_k_for(blocks: int, k_tiles: int, M: int, K: int, num_sms: int, max_split: int = 32) -> int:
-    """The largest power-of-2 split that keeps all programs resident at once (blocks x S <=
-    programs_per_sm x SMs: a second, partial wave would idle most SMs at the end), capped so that
-    every split keeps >= 2 tiles and the fp32 partials written (S x M x N x 4 bytes, read back
-    from L2 by one program per block) stay <= 1/4 of the weight bytes (N x K / 2): S <= K / (32 M).
-    Only splits that divide the tile count: the K loop then needs no masks (14336 = 112 tiles of
-    128 allows up to 16)."""
+    """The power-of-2 split that gives each program about TILES_PER_PROGRAM K tiles (~1,500 K values),
+    raised until every SM has a program (blocks x S >= SMs), among the splits that divide the tile
+    count (the K loop then needs no masks), keep >= 2 tiles a split and keep the fp32 partials
+    written (S x M x N x 4 bytes, read back from L2 by one program per block) <= 1/4 of the weight
+    bytes (N x K / 2): S <= K / (32 M).
+    Why tiles a program and not one resident wave: each program is latency-bound (a few warps
+    walking a dependent chain of loads, dequantization and MMAs), so the kernel runs at the pace of
+    the programs in flight; splitting the 70B gate_up (448 blocks) 4 ways, three waves of programs
+    instead of one, made it 1.5x faster on an H200, and every 70B projection was fastest at 8-16
+    tiles a program (short programs pay the pipeline's fill and the partials' reduction; long ones
+    leave too few programs in flight). BENCHMARKS.md has the sweep."""
     cap = max(1, min(max_split, k_tiles // 2, K // (32 * M)))
-    s = 1
-    while 2 * s <= cap and k_tiles % (2 * s) == 0 and blocks * 2 * s <= programs_per_sm(block_m_for(M)) * num_sms:
+    splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= cap and k_tiles % s == 0]
+    s = min(splits, key=lambda s: (abs(math.log2(k_tiles / s / TILES_PER_PROGRAM)), -s))
+    while blocks * s < num_sms and 2 * s in splits:
         s *= 2
     return s
 
@@ -293,8 +297,9 @@ def split_k_for(blocks: int, k_tiles: int, M: int, K: int, num_sms: int, max_spl
 def int4_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132,
                      interpret: bool = False) -> Int4GemvConfig:
     """M <= 16: BLOCK_N 128 with 2 warps (64 columns per warp, so each warp's 16-row x plane feeds
-    8 MMA n-tiles; 168 registers), BLOCK_K 128 (16 packed rows: the MMA's K of 16 per plane), 4
-    stages of cp.async (~12 KB each: 3 tiles in flight per program, ~4 programs per SM).
+    8 MMA n-tiles; 168 registers), BLOCK_K 128 (16 packed rows: the MMA's K of 16 per plane), 3
+    stages of cp.async (~12 KB each: 2 tiles in flight per program, up to 6 programs per SM, the
+    registers' limit; 3 stages were as fast as 4 or faster on every 70B projection on an H200).
     M > 16 (BLOCK_M 32): 4 warps of 32 columns (2 warps spill at 32 rows: 255 registers + stack
     under Triton 3.9). Narrow outputs (N <= 64): 64 columns, one warp (two at 32 rows). Split-K:
     split_k_for.
@@ -307,7 +312,7 @@ def int4_gemv_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132
     elif N <= 64:
         bn, bk, warps, stages = 64, 128, 1 if bm == 16 else 2, 4
     else:
-        bn, bk, warps, stages = 128, 128, 2 if bm == 16 else 4, 4
+        bn, bk, warps, stages = 128, 128, 2 if bm == 16 else 4, 3 if bm == 16 else 4
     blocks = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     return Int4GemvConfig(bn, bk, warps, stages, split_k_for(blocks, triton.cdiv(K, bk), M, K, num_sms))
 
