@@ -229,16 +229,16 @@ def test_skinny_configs_fill_the_sms_within_the_partial_budget():
             # about TILES_PER_PROGRAM tiles a program (within a factor of 2), or more splits to give
             # every SM a program, or the cap
             per = tiles / c.split_k
-            assert (gv.TILES_PER_PROGRAM / 2 <= per <= 2 * gv.TILES_PER_PROGRAM or blocks * c.split_k <= 2 * 132
-                    or 2 * c.split_k > cap or tiles % (2 * c.split_k))
+            assert (gv.TILES_PER_PROGRAM / 2 <= per <= 2 * gv.TILES_PER_PROGRAM or per >= 4 and blocks * c.split_k
+                    <= 8 * 132 or 2 * c.split_k > cap or tiles % (2 * c.split_k))
             assert c.num_warps == (2 if bm == 16 else 4) and c.block_n == 128
             assert c.num_stages == (3 if bm == 16 else 4)
     # the 70B projections at batch 1, the splits an H200 sweep found fastest or near it (BENCHMARKS.md)
-    assert [gv.int4_gemv_config(1, *LLAMA70B[p], 128).split_k for p in ("o", "gate_up", "down")] == [4, 4, 16]
-    assert gv.int4_gemv_config(1, 4096, 4096, 128).split_k == 8           # 8B o: 32 blocks, raised to fill
-    assert gv.int4_gemv_config(1, 1024, 8192, 128).split_k == 32          # 70B k/v: 8 blocks
+    assert [gv.int4_gemv_config(1, *LLAMA70B[p], 128).split_k for p in ("qkv", "gate_up", "down")] == [8, 4, 16]
+    assert [gv.int4_gemv_config(1, *LLAMA8B[p], 128).split_k for p in ("qkv", "o", "gate_up")] == [8, 8, 4]
+    assert gv.int4_gemv_config(1, 1024, 8192, 128).split_k == 16          # 70B k/v: 8 blocks, 4 tiles a program
     assert gv.int4_gemv_config(16, 4096, 4096, 128).split_k == 8          # partial cap K / 32M = 8
-    assert gv.int4_gemv_config(1, 4096, 14336, 128).split_k == 8          # 112 tiles: 8 splits of 14
+    assert gv.int4_gemv_config(1, 4096, 14336, 128).split_k == 16         # 112 tiles: the splits dividing it
     assert gemm_split_k(128, 4096, 4096, 132) == 4 and gemm_split_k(512, 28672, 4096, 132) == 1
 
 

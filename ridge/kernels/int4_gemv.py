@@ -276,20 +276,22 @@ TILES_PER_PROGRAM = 12
 
 def split_k_for(blocks: int, k_tiles: int, M: int, K: int, num_sms: int, max_split: int = 32) -> int:
     """The power-of-2 split that gives each program about TILES_PER_PROGRAM K tiles (~1,500 K values),
-    raised until every SM has a program (blocks x S >= SMs), among the splits that divide the tile
+    raised towards 4 programs an SM (blocks x S >= 4 SMs) while a program keeps >= 4 tiles, among
+    the splits that divide the tile
     count (the K loop then needs no masks), keep >= 2 tiles a split and keep the fp32 partials
     written (S x M x N x 4 bytes, read back from L2 by one program per block) <= 1/4 of the weight
     bytes (N x K / 2): S <= K / (32 M).
     Why tiles a program and not one resident wave: each program is latency-bound (a few warps
     walking a dependent chain of loads, dequantization and MMAs), so the kernel runs at the pace of
     the programs in flight; splitting the 70B gate_up (448 blocks) 4 ways, three waves of programs
-    instead of one, made it 1.5x faster on an H200, and every 70B projection was fastest at 8-16
-    tiles a program (short programs pay the pipeline's fill and the partials' reduction; long ones
-    leave too few programs in flight). BENCHMARKS.md has the sweep."""
+    instead of one, made it 1.5x faster on an H200; every 70B and 8B projection was fastest at 4-16
+    tiles a program, the small outputs (qkv, o: 32-80 blocks) at the short end (short programs pay
+    the pipeline's fill and the partials' reduction; long ones leave too few programs in flight).
+    BENCHMARKS.md has the sweeps."""
     cap = max(1, min(max_split, k_tiles // 2, K // (32 * M)))
     splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= cap and k_tiles % s == 0]
     s = min(splits, key=lambda s: (abs(math.log2(k_tiles / s / TILES_PER_PROGRAM)), -s))
-    while blocks * s < num_sms and 2 * s in splits:
+    while blocks * s < 4 * num_sms and 2 * s in splits and k_tiles // (2 * s) >= 4:
         s *= 2
     return s
 
