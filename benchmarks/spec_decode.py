@@ -219,8 +219,9 @@ def without_near_ties(llm) -> None:
 def scale_projection(linear, factor: float) -> None:
     """Multiply a projection's weights by `factor` in whatever form it holds them: the float weight,
     FP8 blocks (their scales; and a bf16 copy the dispatch kept), INT4 groups (their scales)."""
-    if getattr(linear, "weight", None) is not None:
-        linear.weight.mul_(factor)
+    weight = getattr(linear, "weight", None)
+    if weight is not None and weight.is_floating_point():       # (an INT4 format may name its words "weight")
+        weight.mul_(factor)
     if getattr(linear, "weight_scale_inv", None) is not None:
         linear.weight_scale_inv.mul_(factor)
     elif linear.quant_method is not None and hasattr(linear.quant_method, "table"):
