@@ -286,7 +286,7 @@ def summarize_round(a, serve: dict | None) -> dict:
                        "prediction of a serving goodput)"))
     first = {s["title"]: s["first_target"] for s in (rep or {}).get("steps", [])}
     return dict(round=a.round, about=ROUNDS[a.round][0], smoke=a.smoke, flags=engine_flags(a)[2:],
-                device=extra.get("device"), date=time.strftime("%Y-%m-%d"), figures=figs,
+                device=extra.get("device"), date=(rep or {}).get("created", time.strftime("%Y-%m-%d"))[:10], figures=figs,
                 roofline_first_target=first, spec=dict(alpha=ALPHA, k=K, **{
                     f"{n}_acceptance_rate": (load(f"latency_b1_{n}.json") or {}).get("spec_acceptance_rate")
                     for n in ("spec", "ngram")}) if a.round == 3 else None,
@@ -299,7 +299,9 @@ def run_round(a) -> int:
 
     t0 = time.monotonic()
     os.makedirs(a.out, exist_ok=True)
-    if a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
+    if a.summarize_only:
+        pass
+    elif a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
         from ridge.assets import demo_model_path
         a.model = a.model or (demo_model_path() if "int4" in engine_flags(a) else
                               os.path.join(os.path.dirname(demo_model_path()), "demo-code-3m"))
@@ -308,13 +310,20 @@ def run_round(a) -> int:
                         "--preset", "llama3-70b", "--config-only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     child = [sys.executable, os.path.abspath(__file__), "measure", "--round", str(a.round), "--model", a.model,
              "--out", a.out, "--engine-args", a.engine_args or ""] + (["--smoke"] if a.smoke else [])
-    rc = subprocess.run(child, cwd=ROOT).returncode
+    rc = 0 if a.summarize_only else subprocess.run(child, cwd=ROOT).returncode
     serve, t1 = None, time.monotonic()
-    if rc == 0 and not a.no_serve:
-        serve = serve_sweep(a, t0 + a.budget_s)
+    if rc == 0 and not (a.no_serve or a.summarize_only):
+        try:
+            serve = serve_sweep(a, t0 + a.budget_s)
+        except RuntimeError as e:        # the server did not start: the measured part is kept
+            serve = dict(max_num_batched_tokens=None, budget_from=None, chosen_rate=None, goodput_tok_s=None,
+                         probes=[], note=f"not measured: {str(e)[-1500:]}")
         write_json(os.path.join(a.out, "serve_sweep.json"), serve)
+    elif a.summarize_only and os.path.exists(os.path.join(a.out, "serve_sweep.json")):
+        serve = json.load(open(os.path.join(a.out, "serve_sweep.json")))
     summary = summarize_round(a, serve)
-    summary.update(measure_rc=rc, measure_s=t1 - t0, serve_s=time.monotonic() - t1)
+    summary.update(measure_rc=rc, measure_s=None if a.summarize_only else t1 - t0,
+                   serve_s=None if a.summarize_only else time.monotonic() - t1)
     write_json(os.path.join(a.out, "summary.json"), summary)
     for f in summary["figures"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[f["met"]]
@@ -346,6 +355,8 @@ def main(argv=None) -> int:
         r.add_argument("--num-prompts", type=int, default=None, help="requests per serve probe")
         r.add_argument("--start-timeout-s", type=float, default=300, help="for ridge serve's engine to be ready")
         r.add_argument("--no-serve", action="store_true", help="skip the serve sweep")
+        r.add_argument("--summarize-only", action="store_true",
+                       help="measure nothing: write summary.json from the files already in --out")
     s = sub.add_parser("story", help="the figures table of docs/case-study-70b.md and the plot, from summary.json")
     s.add_argument("--rounds", default=os.path.join(ROOT, "docs", "case-study-70b"))
     s.add_argument("--doc", default=None, help="default: case-study-70b.md beside --rounds")

@@ -135,11 +135,16 @@ def event_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def precision(a) -> dict:
+    """The engine settings --quantization / --kv-cache-dtype give (none: the checkpoint's own)."""
+    return {k: v for k, v in (("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype)) if v}
+
+
 def run_verify(a) -> dict:
     """Per batch and k: the plain decode step (its CUDA graph), and the verify step of k + 1 tokens a
     sequence both as a replayed verify graph (captured here for that batch and k alone) and eagerly."""
     llm = LLM(a.model, load_format=a.load_format, max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 64,
-              show_progress=False, async_scheduling=False)
+              show_progress=False, async_scheduling=False, **precision(a))
     engine, runner, rows = llm.engine, llm.engine.runner, []
     cfg, vocab, graphs = engine.cfg, engine.model_cfg.vocab_size, torch.cuda.is_available()
     for batch in a.batches:
@@ -232,6 +237,7 @@ def run_oracle(a) -> dict:
     rows = []
     for batch in a.batches:
         llm = LLM(a.model, load_format=a.load_format, max_num_seqs=batch, max_model_len=a.prompt_len + a.output_len + 16,
+                  **precision(a),
                   show_progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": max(a.ks)})
         engine, spec = llm.engine, llm.engine.speculator
         if a.load_format == "dummy":
@@ -277,6 +283,8 @@ def parse_args(argv=None):
     p.add_argument("part", choices=("demo", "verify", "oracle"))
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--quantization", default=None, choices=("int4", "fp8"), help="verify / oracle: the weights' precision")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8"), help="verify / oracle: the KV cache's")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6])
     p.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.5, 0.8, 0.9])
