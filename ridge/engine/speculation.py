@@ -23,8 +23,9 @@ fraction of a millisecond is bound by launches and the host, where drafting (a d
 steps, each read back) and verifying cost more than the tokens they save. So the engine also
 times its decode steps (`StepClock`: seconds per emitted token, by batch size, with and without
 drafts) and a batch size whose speculating steps are slower per token than plain ones stops
-speculating; every PROBE steps the other way is tried again, so a change (longer contexts,
-better drafts) is noticed. Per sequence, the drafts' measured acceptance sets k: the geometric-run
+speculating; every PROBE steps a run of PROBE_STEPS steps the other way re-times it, so a change
+(longer contexts, better drafts) is noticed (a run, not one step: a verify step emits 1 to k + 1
+tokens). Per sequence, the drafts' measured acceptance sets k: the geometric-run
 estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
 trials are in) picks the k that maximises the expected tokens per unit of verify cost,
 (1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
@@ -60,18 +61,26 @@ MIN_TRIALS = 3.0      # decayed trials before the acceptance estimate sets k or 
 VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
 PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
 MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
+PROBE_STEPS = 4       # steps a way is timed over (its first timing, a probe): one verify step emits 1..k + 1
 MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
 CLOCK_DECAY = 0.8     # weight of the timing history per observed step
 
 
 class StepClock:
     """Seconds per emitted token of pure decode steps, by batch size (powers of two) and by whether
-    they verified drafts; decides whether speculating pays at a batch size."""
+    they verified drafts; decides whether speculating pays at a batch size.
+
+    A way is timed over a run of PROBE_STEPS steps (its first timing, and each probe of the losing
+    way), and the run's own seconds over its own tokens replace that way's estimate: a verify step
+    emits anywhere from 1 to k + 1 tokens, so one step decides nothing, and the losing way's history
+    is `interval` steps old by the time it is probed. The winning way, timed every step it runs,
+    keeps a decayed average."""
 
     def __init__(self):
         self.per_token: dict[tuple[int, bool], float] = {}
         self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
         self.interval: dict[int, int] = {}                # steps between probes of the losing way
+        self.probe: dict[int, list] = {}                  # bucket -> [way, steps left, tokens, seconds, other steps]
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -83,25 +92,41 @@ class StepClock:
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         b = self.bucket(batch)
-        before = self._spec_wins(b)
-        x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
-        self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
         self.since[(b, speculated)] = 0
         self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
-        after = self._spec_wins(b)
-        if before is not None and before != speculated:          # a probe of the losing way:
-            lost = after == before                               # it lost again: probe half as often
-            self.interval[b] = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
+        probe = self.probe.get(b)
+        if probe is not None and probe[0] == speculated:
+            probe[1:4] = probe[1] - 1, probe[2] + tokens, probe[3] + seconds
+            if probe[1] == 0:                                    # the run is over: its own figure
+                del self.probe[b]
+                before = self._spec_wins(b)
+                self.per_token[(b, speculated)] = probe[3] / max(probe[2], 1)
+                if before is not None and before != speculated:  # it re-timed the losing way:
+                    lost = self._spec_wins(b) == before          # lost again: probe half as often
+                    self.interval[b] = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
+            return
+        if probe is not None:        # the other way ran (e.g. no sequence had drafts): give the run up
+            probe[4] += 1            # after a while, so a probe nothing can finish does not stay open
+            if probe[4] > 2 * PROBE_STEPS:
+                del self.probe[b]
+        x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
+        self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
 
     def pays(self, batch: int) -> bool:
-        """Speculate at this batch size: until both ways are timed, while drafts are no slower per
-        token, and once every interval steps either way to re-time the one that is losing."""
+        """Speculate at this batch size: first a run of each way (drafts first), then while drafts
+        are no slower per token, with a run of the losing way every interval steps to re-time it."""
         b = self.bucket(batch)
+        if b in self.probe:
+            return self.probe[b][0]
         wins = self._spec_wins(b)
         if wins is None:
-            return (b, True) not in self.per_token      # time the way not yet timed
-        loser_waited = self.since.get((b, not wins), 0) >= self.interval.get(b, PROBE)
-        return wins != loser_waited
+            way = (b, True) not in self.per_token                # time the way not yet timed
+        elif self.since.get((b, not wins), 0) >= self.interval.get(b, PROBE):
+            way = not wins                                       # the loser has waited: re-time it
+        else:
+            return wins
+        self.probe[b] = [way, PROBE_STEPS, 0, 0.0, 0]
+        return way
 
 
 @dataclass
