@@ -45,7 +45,10 @@
 #                  alpha against plain decoding, batch 1 and 64 (SPEC_ARGS passes flags) -> spec_oracle.json
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
 #                  the large-prompt attack -> serve_load.json (the server's packages travel as wheels:
-#                  .whl/, carried, installed to /tmp/site when present)
+#                  .whl/, carried, installed to /tmp/site when present; fetch them with their dependencies,
+#                  which the install does not resolve (FastAPI imports OpenTelemetry):
+#                  pip download -d .whl --only-binary=:all: --python-version 3.12 --implementation cp \
+#                    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn "pydantic>=2" prometheus-client)
 #   moe-tests      pytest -m gpu tests/test_moe_gpu.py (expert kernels at model shapes, a random Qwen3-MoE vs HF,
 #                  graphs/overlap on and off, the 30B-A3B shape built from dummy weights)
 #   moe-kernels    benchmarks/moe.py kernels: one MoE layer at the Qwen3-30B-A3B and Mixtral-8x7B shapes vs the

@@ -82,3 +82,35 @@ def test_story_fills_the_table_from_the_summaries(round0):
     doc.write_text(text.replace("(not yet written)", "the lead's prose", 1))
     run("story", "--rounds", str(rounds))
     assert "the lead's prose" in doc.read_text() and doc.read_text().count("<!-- figures:begin") == 1
+
+
+def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path, monkeypatch):
+    """The serve sweep's server dies at start (a missing package on the device, say): the round's
+    summary still carries what the measure part wrote, and the sweep says why it has no goodput.
+    `--summarize-only` then rewrites the summary from the files alone, measuring nothing."""
+    import shutil
+    from types import SimpleNamespace
+
+    from tests_support import load_benchmark
+    cs = load_benchmark("case_study_70b")
+    out = tmp_path / "round-0"
+    shutil.copytree(round0, out)
+    (out / "summary.json").unlink()
+
+    def no_server(*args, **kwargs):
+        raise RuntimeError("ridge serve did not start: ModuleNotFoundError: No module named 'opentelemetry'")
+    monkeypatch.setattr(cs, "start_server", no_server)
+    monkeypatch.setattr(cs, "subprocess", SimpleNamespace(run=lambda *a, **k: SimpleNamespace(returncode=0)))  # measure
+    args = cs.argparse.Namespace(round=0, smoke=True, model=None, out=str(out), engine_args="", budget_s=60,
+                                 rates=None, num_prompts=None, start_timeout_s=1, no_serve=False, summarize_only=False)
+    assert cs.run_round(args) == 0
+    s = json.loads((out / "summary.json").read_text())
+    figs = {f["name"]: f for f in s["figures"]}
+    assert figs["itl_b1_ms"]["measured"] > 0 and figs["goodput_tok_s"]["measured"] is None
+    assert "opentelemetry" in s["serve"]["note"] and s["serve"]["probes"] == []
+    before = figs
+    (out / "summary.json").unlink()
+    run("round", "--round", "0", "--smoke", "--summarize-only", "--out", str(out))
+    s = json.loads((out / "summary.json").read_text())
+    assert s["measure_s"] is None and "opentelemetry" in s["serve"]["note"]
+    assert {f["name"]: f["measured"] for f in s["figures"]} == {n: f["measured"] for n, f in before.items()}
