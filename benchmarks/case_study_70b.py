@@ -294,14 +294,9 @@ def summarize_round(a, serve: dict | None) -> dict:
                                                              "probes")})
 
 
-def run_round(a) -> int:
-    from ridge.bench.common import write_json
-
-    t0 = time.monotonic()
-    os.makedirs(a.out, exist_ok=True)
-    if a.summarize_only:
-        pass
-    elif a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
+def measure_in_child(a) -> int:
+    """The round's one-engine part (`measure`) in a child process; its exit status."""
+    if a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
         from ridge.assets import demo_model_path
         a.model = a.model or (demo_model_path() if "int4" in engine_flags(a) else
                               os.path.join(os.path.dirname(demo_model_path()), "demo-code-3m"))
@@ -310,7 +305,15 @@ def run_round(a) -> int:
                         "--preset", "llama3-70b", "--config-only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     child = [sys.executable, os.path.abspath(__file__), "measure", "--round", str(a.round), "--model", a.model,
              "--out", a.out, "--engine-args", a.engine_args or ""] + (["--smoke"] if a.smoke else [])
-    rc = 0 if a.summarize_only else subprocess.run(child, cwd=ROOT).returncode
+    return subprocess.run(child, cwd=ROOT).returncode
+
+
+def run_round(a) -> int:
+    from ridge.bench.common import write_json
+
+    t0 = time.monotonic()
+    os.makedirs(a.out, exist_ok=True)
+    rc = 0 if a.summarize_only else measure_in_child(a)
     serve, t1 = None, time.monotonic()
     if rc == 0 and not (a.no_serve or a.summarize_only):
         try:

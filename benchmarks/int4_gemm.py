@@ -150,8 +150,7 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
     if args.splits and M <= 64 and "ridge" in peers:
         res["split_sweep"] = sweep_splits(xs, ridge_sets, calls, n_i4, args)
     if (args.gemv_configs or args.gemm_configs) and "ridge" in peers:
-        res["config_sweep"] = sweep_configs(xs, ridge_sets, calls, n_i4, ref_of=lambda: xs[0].float() @ w_ref(qw, s, z),
-                                            args=args)
+        res["config_sweep"] = sweep_configs(xs, ridge_sets, calls, n_i4, args)
     r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")
     res["x_bf16"] = b_us / r_us if r_us and b_us else None
     res["x_tinygemm"] = t_us / r_us if r_us and t_us else None
@@ -162,29 +161,50 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
     return res
 
 
+def time_each(configs, call, xs, ridge_sets, calls: int, n_i4: int, reps: int) -> tuple[dict, dict]:
+    """Time call(i, cfg) over the rotating inputs for each (label, cfg) of configs, each first checked
+    against the fp32 reference on input set 0: ({label: us}, {label: why not timed})."""
+    from ridge.kernels.int4_matmul import dequantize_int4
+    ref = xs[0].float() @ dequantize_int4(*ridge_sets[0], GROUP)
+    us, wrong = {}, {}
+    for label, cfg in configs:
+        try:
+            err = rel_err(call(0, cfg), ref)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported
+            wrong[label] = short_error(e)
+            continue
+        if err > WRONG:
+            wrong[label] = f"err {err:.2e}"
+            continue
+        t = try_time(str(label), lambda cfg=cfg: time_calls([(lambda i=i: call(i, cfg)) for i in range(calls)],
+                                                            sets=n_i4, reps=reps))
+        if t is not None:
+            us[label] = t.median_us
+    return us, wrong
+
+
+def skinny_call(xs, ridge_sets, n_i4: int):
+    """call(i, cfg): the skinny kernel on input set i at launch config cfg, into its own output."""
+    from ridge.kernels import int4_gemv as gv
+    outs = [torch.empty(x.shape[0], ridge_sets[0][0].shape[1], device="cuda", dtype=DT) for x in xs]
+    return lambda i, cfg: gv.int4_gemv(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg)
+
+
+def engine_skinny_config(xs, ridge_sets):
+    from ridge.kernels import int4_gemv as gv
+    M, K = xs[0].shape
+    return gv.int4_gemv_config(M, ridge_sets[0][0].shape[1], K, GROUP,
+                               torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 def sweep_splits(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
     """The skinny kernel at each split-K of --splits that divides the K tiles (the heuristic's
     other choices fixed): {split: us}, and the heuristic's own pick, to set split_k_for from data."""
-    from ridge.kernels import int4_gemv as gv
-    qw, s, z = ridge_sets[0]
-    M, K = xs[0].shape
-    N = qw.shape[1]
-    heur = gv.int4_gemv_config(M, N, K, GROUP, torch.cuda.get_device_properties(0).multi_processor_count)
-    outs = [torch.empty(M, N, device="cuda", dtype=DT) for _ in range(calls)]
-    out = {"heuristic": heur.split_k, "us": {}}
-    for split in args.splits:
-        if -(-K // heur.block_k) % split:
-            continue
-        cfg = heur._replace(split_k=split)
-        t = time_calls([(lambda i=i: gv.int4_gemv(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg))
-                        for i in range(calls)], sets=n_i4, reps=args.reps)
-        out["us"][split] = t.median_us
-    return out
-
-
-def w_ref(qw, s, z):
-    from ridge.kernels.int4_matmul import dequantize_int4
-    return dequantize_int4(qw, s, z, GROUP)
+    heur = engine_skinny_config(xs, ridge_sets)
+    tiles = -(-xs[0].shape[1] // heur.block_k)
+    configs = [(split, heur._replace(split_k=split)) for split in args.splits if tiles % split == 0]
+    us, wrong = time_each(configs, skinny_call(xs, ridge_sets, n_i4), xs, ridge_sets, calls, n_i4, args.reps)
+    return {"heuristic": heur.split_k, "us": us, "wrong": wrong}
 
 
 def parse_config(text: str, counts: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -196,51 +216,32 @@ def parse_config(text: str, counts: tuple[int, ...]) -> tuple[int, ...] | None:
     return vals if len(vals) in counts and min(vals) >= 1 else None
 
 
-def sweep_configs(xs, ridge_sets, calls: int, n_i4: int, ref_of, args) -> dict:
+def sweep_configs(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
     """The kernel int4_matmul takes at this M (the skinny kernel at M <= 32, else the GEMM) at each
     launch config of --gemv-configs (BLOCK_N,BLOCK_K,warps,stages[,split]: the heuristic's split when
     none is given) or --gemm-configs (BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,split]): {label: us} beside the
     config the engine takes, each checked against the reference first (a wrong one is not timed)."""
     from ridge.kernels import int4_gemv as gv
     from ridge.kernels.int4_gemm import Int4GemmConfig, int4_gemm
-    qw, s, z = ridge_sets[0]
     M, K = xs[0].shape
-    N = qw.shape[1]
-    outs = [torch.empty(M, N, device="cuda", dtype=DT) for _ in range(calls)]
-    ref = ref_of()
-    out: dict = {"us": {}, "wrong": {}}
     if M <= gv.GEMV_MAX_M:
-        heur = gv.int4_gemv_config(M, N, K, GROUP, torch.cuda.get_device_properties(0).multi_processor_count)
-        out["engine"] = ",".join(map(str, heur))
-        configs = []
+        heur = engine_skinny_config(xs, ridge_sets)
+        engine, configs = ",".join(map(str, heur)), []
         for text in args.gemv_configs or []:
             v = parse_config(text, (4, 5))
             cfg = gv.Int4GemvConfig(*v[:4], v[4] if len(v) == 5 else heur.split_k)
             if -(-K // cfg.block_k) % cfg.split_k == 0:
                 configs.append((",".join(map(str, cfg)), cfg))
-
-        def call(i, cfg):
-            return gv.int4_gemv(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg)
+        call = skinny_call(xs, ridge_sets, n_i4)
     else:
-        out["engine"] = "autotuned"
+        engine = "autotuned"
         configs = [(text, Int4GemmConfig(*parse_config(text, (5, 6)))) for text in args.gemm_configs or []]
+        outs = [torch.empty(M, ridge_sets[0][0].shape[1], device="cuda", dtype=DT) for _ in xs]
 
         def call(i, cfg):
             return int4_gemm(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg)
-    for label, cfg in configs:
-        try:
-            err = rel_err(call(0, cfg), ref)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported
-            out["wrong"][label] = short_error(e)
-            continue
-        if err > WRONG:
-            out["wrong"][label] = f"err {err:.2e}"
-            continue
-        t = try_time(label, lambda cfg=cfg: time_calls([(lambda i=i: call(i, cfg)) for i in range(calls)],
-                                                       sets=n_i4, reps=args.reps))
-        if t is not None:
-            out["us"][label] = t.median_us
-    return out
+    us, wrong = time_each(configs, call, xs, ridge_sets, calls, n_i4, args.reps)
+    return {"engine": engine, "us": us, "wrong": wrong}
 
 
 def verdicts(rows: list[dict]) -> dict:

@@ -66,6 +66,16 @@ MARGIN = 0.03         # speculating steps may be this much slower per token befo
 CLOCK_DECAY = 0.8     # weight of the timing history per observed step
 
 
+@dataclass
+class _Run:
+    """A run of PROBE_STEPS steps timing one way (speculated or not) at one batch size."""
+    speculated: bool
+    steps_left: int = PROBE_STEPS
+    tokens: int = 0
+    seconds: float = 0.0
+    other_steps: int = 0      # steps of the other way while this run waited
+
+
 class StepClock:
     """Seconds per emitted token of pure decode steps, by batch size (powers of two) and by whether
     they verified drafts; decides whether speculating pays at a batch size.
@@ -80,7 +90,7 @@ class StepClock:
         self.per_token: dict[tuple[int, bool], float] = {}
         self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
         self.interval: dict[int, int] = {}                # steps between probes of the losing way
-        self.probe: dict[int, list] = {}                  # bucket -> [way, steps left, tokens, seconds, other steps]
+        self.probe: dict[int, _Run] = {}                  # bucket -> the run timing one way now
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -94,20 +104,20 @@ class StepClock:
         b = self.bucket(batch)
         self.since[(b, speculated)] = 0
         self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
-        probe = self.probe.get(b)
-        if probe is not None and probe[0] == speculated:
-            probe[1:4] = probe[1] - 1, probe[2] + tokens, probe[3] + seconds
-            if probe[1] == 0:                                    # the run is over: its own figure
+        run = self.probe.get(b)
+        if run is not None and run.speculated == speculated:
+            run.steps_left, run.tokens, run.seconds = run.steps_left - 1, run.tokens + tokens, run.seconds + seconds
+            if run.steps_left == 0:                              # the run is over: its own figure
                 del self.probe[b]
                 before = self._spec_wins(b)
-                self.per_token[(b, speculated)] = probe[3] / max(probe[2], 1)
+                self.per_token[(b, speculated)] = run.seconds / max(run.tokens, 1)
                 if before is not None and before != speculated:  # it re-timed the losing way:
                     lost = self._spec_wins(b) == before          # lost again: probe half as often
                     self.interval[b] = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
             return
-        if probe is not None:        # the other way ran (e.g. no sequence had drafts): give the run up
-            probe[4] += 1            # after a while, so a probe nothing can finish does not stay open
-            if probe[4] > 2 * PROBE_STEPS:
+        if run is not None:          # the other way ran (e.g. no sequence had drafts): give the run up
+            run.other_steps += 1     # after a while, so a probe nothing can finish does not stay open
+            if run.other_steps > 2 * PROBE_STEPS:
                 del self.probe[b]
         x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
         self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
@@ -117,7 +127,7 @@ class StepClock:
         are no slower per token, with a run of the losing way every interval steps to re-time it."""
         b = self.bucket(batch)
         if b in self.probe:
-            return self.probe[b][0]
+            return self.probe[b].speculated
         wins = self._spec_wins(b)
         if wins is None:
             way = (b, True) not in self.per_token                # time the way not yet timed
@@ -125,7 +135,7 @@ class StepClock:
             way = not wins                                       # the loser has waited: re-time it
         else:
             return wins
-        self.probe[b] = [way, PROBE_STEPS, 0, 0.0, 0]
+        self.probe[b] = _Run(way)
         return way
 
 

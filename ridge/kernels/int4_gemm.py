@@ -165,9 +165,9 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor,
     interpret = x.device.type != "cuda"
     sms = 132 if interpret else num_sms(x.device.index if x.device.index is not None
                                         else torch.cuda.current_device())
-    split = 2 if interpret and K >= 4 * 64 else gemm_split_k(M, N, K, sms)
-    if config is not None and Int4GemmConfig(*config).split_k:
-        split = Int4GemmConfig(*config).split_k
+    c = Int4GemmConfig(*config) if config is not None else None
+    split = (c.split_k if c is not None and c.split_k else
+             2 if interpret and K >= 4 * 64 else gemm_split_k(M, N, K, sms))
     if split > 1:
         partials = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         counters = ticket_counters(x.device)
@@ -184,10 +184,9 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor,
     args = (x, qweight, scales, zeros, out, partials, counters, M, N, x.stride(0), out.stride(0),
             min(triton.next_power_of_2(M), 4096))
     consts = dict(K=K, G=group_size, SPLIT_K=split, EMULATE_RNE=interpret, PDL=pdl, **launch_options(pdl))
-    if config is None:
+    if c is None:
         _int4_gemm_kernel[grid](*args, **consts)
     else:
-        c = Int4GemmConfig(*config)
         _int4_gemm_kernel.fn[grid](*args, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=8,
                                    num_warps=c.num_warps, num_stages=c.num_stages, **consts)
     return out

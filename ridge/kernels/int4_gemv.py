@@ -277,9 +277,8 @@ TILES_PER_PROGRAM = 12
 def split_k_for(blocks: int, k_tiles: int, M: int, K: int, num_sms: int, max_split: int = 32) -> int:
     """The power-of-2 split that gives each program about TILES_PER_PROGRAM K tiles (~1,500 K values),
     raised towards 4 programs an SM (blocks x S >= 4 SMs) while a program keeps >= 4 tiles, among
-    the splits that divide the tile
-    count (the K loop then needs no masks), keep >= 2 tiles a split and keep the fp32 partials
-    written (S x M x N x 4 bytes, read back from L2 by one program per block) <= 1/4 of the weight
+    the splits that divide the tile count (the K loop then needs no masks), keep >= 2 tiles a split
+    and keep the fp32 partials written (S x M x N x 4 bytes, read back from L2 by one program per block) <= 1/4 of the weight
     bytes (N x K / 2): S <= K / (32 M).
     Why tiles a program and not one resident wave: each program is latency-bound (a few warps
     walking a dependent chain of loads, dequantization and MMAs), so the kernel runs at the pace of
