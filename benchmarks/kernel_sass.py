@@ -12,6 +12,7 @@ docstring: ~4 instructions a weight is the budget), and does the tile fit the re
 (a spill is a local-memory round trip in the loop).
 
     python benchmarks/kernel_sass.py --json kernel_sass.json
+    python benchmarks/kernel_sass.py --kernels "small down" --formats int4 --int4-gemv   # + the dense INT4 GEMV
 """
 from __future__ import annotations
 
@@ -149,28 +150,47 @@ KERNELS = {"small gate/up": lambda fmt, s: small_gate_up(fmt, s, **({} if fmt ==
 FORMATS = {"bf16": 0, "int4": 2}
 
 
+def dense_int4_gemv(N: int = 57344, K: int = 8192):
+    """The dense INT4 GEMV (ridge/kernels/int4_gemv.py) at batch 1 with the config int4_matmul takes
+    (default: the Llama-3-70B gate_up): kernel, signature, constexprs, warps, stages, weights a thread."""
+    from ridge.kernels.int4_gemv import _int4_gemv_kernel, int4_gemv_config
+    c = int4_gemv_config(1, N, K, 128)
+    sig = dict(X="*bf16", QW="*i32", S="*bf16", Z="*bf16", Y="*bf16", P="*fp32", C="*i32", M="i32", N="i32",
+               stride_xm="i32", stride_ym="i32")
+    consts = dict(K=K, G=128, M_BLOCKS=1, BM=16, BN=c.block_n, BK=c.block_k, SPLIT_K=c.split_k,
+                  TILES=K // c.block_k // c.split_k, EVEN_K=True, EVEN_N=N % c.block_n == 0, ROW_SCALES=False,
+                  ASM=True, EMULATE_RNE=False, PDL=True, NUM_STAGES=c.num_stages)
+    sig.update({k: "constexpr" for k in consts})
+    return _int4_gemv_kernel, sig, consts, c.num_warps, c.num_stages, c.block_n * c.block_k // (32 * c.num_warps)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--int4-gemv", action="store_true",
+                    help="also the dense INT4 GEMV at the 70B gate_up shape, batch 1 (int4_matmul's config)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     bins = tools()
     rows = []
-    for name in a.kernels:
-        for fmt_name in a.formats:
-            fn, sig, consts, warps, stages, weights = KERNELS[name](FORMATS[fmt_name], V2_LITE)
-            divisible = {n for n, t in sig.items() if t.startswith("*") or n in ("N", "K", "inter") or
-                         n.startswith("stride")}
-            r = assemble(compile_sm90(fn, sig, consts, divisible, warps, stages), bins)
-            total = sum(r["loop"].values())
-            rows.append(dict(kernel=name, format=fmt_name, consts={k: v for k, v in consts.items()}, num_warps=warps,
-                             tile=" x ".join(str(consts[k]) for k in ("BLOCK_TK", "BLOCK_M", "BLOCK_N", "BLOCK_K")
-                                             if k in consts) + f", {warps} warps", **r,
-                             loop_instructions=total, weights_per_thread=weights,
-                             instructions_per_weight=total / weights))
-            print(f"  {name} {fmt_name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {total} "
-                  f"instructions a K step ({total / weights:.1f} a weight)", flush=True)
+    jobs = [(name, fmt_name, lambda name=name, fmt_name=fmt_name: KERNELS[name](FORMATS[fmt_name], V2_LITE))
+            for name in a.kernels for fmt_name in a.formats]
+    if a.int4_gemv:
+        jobs.append(("dense gemv 70B gate_up", "int4", dense_int4_gemv))
+    for name, fmt_name, build in jobs:
+        fn, sig, consts, warps, stages, weights = build()
+        divisible = {n for n, t in sig.items() if t.startswith("*") or n in ("N", "K", "inter") or
+                     n.startswith("stride")}
+        r = assemble(compile_sm90(fn, sig, consts, divisible, warps, stages), bins)
+        total = sum(r["loop"].values())
+        rows.append(dict(kernel=name, format=fmt_name, consts={k: v for k, v in consts.items()}, num_warps=warps,
+                         tile=" x ".join(str(consts[k]) for k in ("BLOCK_TK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BM", "BN",
+                                                                  "BK") if k in consts) + f", {warps} warps", **r,
+                         loop_instructions=total, weights_per_thread=weights,
+                         instructions_per_weight=total / weights))
+        print(f"  {name} {fmt_name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {total} "
+              f"instructions a K step ({total / weights:.1f} a weight)", flush=True)
     if a.json:
         write_json(a.json, dict(target="sm_90a", shape=V2_LITE, rows=rows))
     print(format_table(["kernel", "format", "tile", "registers", "spilled B", "loop instr.", "instr./weight",

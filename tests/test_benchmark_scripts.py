@@ -214,12 +214,15 @@ def test_make_baseline_is_valid_bash():
 def test_kernel_sass_reads_a_kernel_loop_without_a_gpu(tmp_path):
     """benchmarks/kernel_sass.py compiles for sm_90a on this CPU (compiled kernels: not under the
     interpreter, so in a process of its own): the bf16 small gate/up kernel's loop is found, does
-    one FMA a weight at least, and spills nothing."""
+    one FMA a weight at least, and spills nothing; with --int4-gemv the dense INT4 GEMV's loop at
+    int4_matmul's config is read too: its tensor-core MMAs, no spill."""
     import json
     out = tmp_path / "ks.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_sass.py"), "--kernels", "small gate/up",
-                    "--formats", "bf16", "--json", str(out)], check=True, env=env, capture_output=True, timeout=600)
-    (row,) = json.loads(out.read_text())["rows"]
+                    "--formats", "bf16", "--int4-gemv", "--json", str(out)], check=True, env=env, capture_output=True,
+                   timeout=600)
+    row, gemv = json.loads(out.read_text())["rows"]
     assert row["spill_bytes"] == 0 and 0 < row["registers"] <= 255
     assert row["loop"].get("FFMA", 0) >= row["weights_per_thread"] > 0
+    assert gemv["kernel"].startswith("dense gemv") and gemv["spill_bytes"] == 0 and gemv["loop"].get("HMMA", 0) > 0
