@@ -40,7 +40,9 @@
 #   spec-demo      benchmarks/spec_decode.py demo: the demo pair (and n-gram) on held-out stdlib prompts, batch 1:
 #                  acceptance, mean accepted length per k, tokens/s against plain decoding -> spec_demo.json
 #   spec-verify    benchmarks/spec_decode.py verify on the 8B shape (dummy weights): a verify step (k + 1 tokens a
-#                  sequence) against a plain decode step, k = 1..8, batch 1/8/32/64 -> spec_verify.json
+#                  sequence) against a plain decode step, k = 1..8, batch 1/8/32/64 (SPEC_ARGS passes flags) -> spec_verify.json;
+#                  SPEC_BASE=DIR runs the same in another tree (e.g. `git archive main | tar -x -C DIR`, untracked
+#                  and not ignored, so it travels) -> spec_verify_base.json
 #   spec-oracle    benchmarks/spec_decode.py oracle on the 8B shape: tokens/s with a proposer of set acceptance
 #                  alpha against plain decoding, batch 1 and 64 (SPEC_ARGS passes flags) -> spec_oracle.json
 #   serve-load     benchmarks/serve_load.py: ridge serve on the demo model, 64 streams with and without
@@ -104,7 +106,7 @@
 #   PARTS=tests-kernels,ab,dummy,tests-engine bash benchmarks/gpu_run.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 PARTS=${PARTS:-tests-kernels,ab,dummy,tests-engine}
 BUDGET_S=${BUDGET_S:-560}
 CKPT=${RIDGE_8B_PATH:-/tmp/ridge-llama3-8b}
@@ -231,8 +233,11 @@ part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --pre
     --context 2048 --prefill-len 4096 --out /tmp/roofline-fp8 2>&1 | grep -v -i warn | tail -40 && \
   cp /tmp/roofline-fp8/report.md $OUT/roofline_fp8.md && cp /tmp/roofline-fp8/report.json $OUT/roofline_fp8.json"
 part spec-demo 60 300 "python3 benchmarks/spec_decode.py demo --json $OUT/spec_demo.json 2>&1 | grep -v -i warn"
-part spec-verify 90 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
-  python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy --json $OUT/spec_verify.json 2>&1 | grep -v -i warn"
+part spec-verify 90 500 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
+  python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy ${SPEC_ARGS:-} --json $OUT/spec_verify.json \
+    2>&1 | grep -v -i warn && if [ -n \"${SPEC_BASE:-}\" ]; then echo '--- the same in SPEC_BASE (${SPEC_BASE:-})'; \
+  cd ${SPEC_BASE:-.} && PYTHONPATH=\$PWD:/tmp/site python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy \
+    ${SPEC_ARGS:-} --json $OUT/spec_verify_base.json 2>&1 | grep -v -i warn; fi"
 part spec-oracle 120 400 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
   python3 benchmarks/spec_decode.py oracle --model $CFG8B --load-format dummy --batches 1 64 --ks 2 4 8 \
     ${SPEC_ARGS:-} --json $OUT/spec_oracle.json 2>&1 | grep -v -i warn"
