@@ -185,6 +185,25 @@ def test_decode_page_size_32():
     check([1] * 3, [31, 33, 90], 4, 1, 64, decode_attention, page=32)
 
 
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_decode_kernel_takes_verify_steps(heads, kv_heads):
+    """A speculative verify step: each sequence's last few positions (k + 1 queries, fewer where a
+    sequence drafted less, 0 for an idle slot), causal among themselves, packed with the group's
+    heads into one program's rows; split over the context or not."""
+    q_lens, lens = [6, 3, 0, 6, 1], [6, 70, 9, 133, 40]
+    check(q_lens, lens, heads, kv_heads, 64, decode_attention)
+    q, kc, vc, meta, k_new, v_new = make_batch(q_lens, lens, heads, kv_heads, 64, seed=3)
+    for splits in (1, 3):
+        out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=splits)
+        torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_verify_step_with_a_sliding_window_and_its_limits():
+    check([4, 2, 4], [30, 77, 9], 8, 2, 64, decode_attention, window=5)
+    from ridge.kernels.decode_attention import MAX_QUERIES, fits_decode
+    assert fits_decode(MAX_QUERIES, 16) and not fits_decode(MAX_QUERIES + 1, 1) and not fits_decode(8, 32)
+
+
 # ----------------------------------------------------------------------------------- dispatch, misc
 def test_dispatch_decode_and_mixed():
     check([1] * 3, [5, 60, 17], 8, 2, 64, triton_paged_attention)
@@ -203,7 +222,8 @@ def test_unsupported_inputs_raise():
         prefill_attention(q, k, v, kc, vc, meta, 0.1, sliding_window=0)
     with pytest.raises(ValueError, match="new k"):
         prefill_attention(q, k[:1], v[:1], kc, vc, meta, 0.1)
-    with pytest.raises(ValueError, match="max_query_len"):
+    q, kc, vc, meta, k, v = make_batch([9], [20], 2, 1, 64)
+    with pytest.raises(ValueError, match="max_query_len 9"):
         decode_attention(q, kc, vc, meta, 0.1)
 
 
@@ -236,3 +256,14 @@ def test_gpu_decode_bf16(lens):
     seed = int(torch.randint(0, 2**31, ()).item())
     gpu_check([1] * len(lens), lens, 32, 8, 128, triton_paged_attention, seed)
     gpu_check([1] * len(lens), lens, 32, 8, 128, decode_attention, seed, window=1000)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (64, 8)])
+def test_gpu_verify_steps_on_the_decode_kernel(heads, kv_heads):
+    """Speculative verify steps (k + 1 = 6 queries a sequence, some fewer) through the dispatcher,
+    which gives them to the decode kernel, at the 8B and 70B head counts."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    gpu_check([6, 6, 3, 6], [1030, 6, 4001, 300], heads, kv_heads, 128, triton_paged_attention, seed)
+    gpu_check([6] * 16, [2048] * 16, heads, kv_heads, 128, decode_attention, seed, window=1000)

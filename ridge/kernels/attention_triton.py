@@ -5,7 +5,7 @@ import torch
 
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.kv_fp8 import KVScales
-from ridge.kernels.decode_attention import decode_attention
+from ridge.kernels.decode_attention import decode_attention, fits_decode
 from ridge.kernels.prefill_attention import prefill_attention
 
 
@@ -17,12 +17,13 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """The contract of attention_ref.paged_attention_ref (K/V of the new tokens already cached),
     plus the new tokens' k, v ([T, kvh, d]), which the prefill kernel reads contiguously.
 
-    A decode-only batch (every q_len <= 1) goes to the split-KV decode kernel, whose GQA packing
-    and context splitting suit one query row per sequence; anything with a longer chunk goes to
-    the prefill kernel, which also serves the batch's decode rows. `out` ([T, H, d]) is optional.
+    A batch of at most MAX_QUERIES queries a sequence (decode; a speculative verify step's k + 1)
+    goes to the split-KV decode kernel, whose GQA packing and context splitting suit a few query
+    rows per sequence; anything with a longer chunk goes to the prefill kernel, which also serves
+    the batch's decode rows. `out` ([T, H, d]) is optional.
     An FP8 cache comes with kv_scales = (k_scale, v_scale); k, v are then its dequantized values.
     """
-    if meta.max_query_len <= 1:
+    if fits_decode(meta.max_query_len, q.shape[1] // k_cache.shape[2]):
         return decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, out=out, kv_scales=kv_scales)
     return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, out=out,
                              kv_scales=kv_scales)

@@ -48,6 +48,13 @@ from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_con
 _INTERPRET = triton.knobs.runtime.interpret
 _MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 256   # below this the merge and the pipeline prologue cost more than they save
+MAX_QUERIES = 8             # queries a sequence (a verify step's k + 1) the decode kernel takes
+_MAX_ROWS = 128             # packed rows (queries x group heads) a program
+
+
+def fits_decode(max_query_len: int, group: int) -> bool:
+    """Whether the decode kernel takes a batch of at most max_query_len queries a sequence."""
+    return max_query_len <= MAX_QUERIES and max(1, max_query_len) * group <= _MAX_ROWS
 
 
 def _configs() -> list[triton.Config]:
@@ -121,8 +128,8 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
+                         GROUP: tl.constexpr, QUERIES: tl.constexpr, BLOCK_H: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr, DIRECT: tl.constexpr,
                          FP8: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
@@ -132,24 +139,29 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
     # else, and before the padding rows' early return (ridge/kernels/pdl.py)
     pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) == q_row:  # padding slot: no query this step
+    q_len = tl.load(query_start_loc + seq + 1) - q_row
+    if q_len == 0:  # padding slot: no query this step
         return
     ctx_len = tl.load(seq_lens + seq)
     lo = 0
-    if SLIDING:
-        lo = tl.maximum(ctx_len - window, 0)
+    if SLIDING:   # the first query's window: the later ones' start after it (masked per row below)
+        lo = tl.maximum(ctx_len - q_len + 1 - window, 0)
     # Tiles stay aligned to BLOCK_N (a multiple of the page) so a tile covers whole pages.
     lo_tile = lo // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(ctx_len - lo_tile, num_splits), BLOCK_N) * BLOCK_N
     start = lo_tile + split * chunk
     end = tl.minimum(start + chunk, ctx_len)
 
+    # packed rows: query i of the sequence's QUERIES x head g of the group, row i * GROUP + g
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_h
-    h_ok = offs_h < GROUP
-    q = tl.load(Q + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    qi = offs_h // GROUP
+    heads = kv_head * GROUP + offs_h % GROUP
+    h_ok = (offs_h < QUERIES * GROUP) & (qi < q_len)
+    rows = (q_row + qi).to(tl.int64)
+    q_pos = ctx_len - q_len + qi                     # each query sees the keys up to its own position
+    q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None], other=0.0)
     bt_row = page_tables + seq.to(tl.int64) * stride_bt
     K_h = K + kv_head * stride_kh
@@ -183,7 +195,13 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
         if FP8:
             qk = qk * k_sc[None, :]
-        qk = tl.where(k_ok[None, :], qk, float("-inf"))
+        if QUERIES > 1:
+            ok = k_ok[None, :] & (k_idx[None, :] <= q_pos[:, None])
+            if SLIDING:
+                ok = ok & (k_idx[None, :] > q_pos[:, None] - window)
+            qk = tl.where(ok, qk, float("-inf"))
+        else:
+            qk = tl.where(k_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile may be fully masked
         alpha = tl.math.exp2(m_i - m_new)
@@ -196,14 +214,14 @@ def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_table
 
     if DIRECT:  # a single split: no merge pass, write the final output
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(Out + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=h_ok[:, None])
     else:
         # Empty split (start >= end): out = 0 and lse = -inf, so the merge gives it zero weight.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+        part = (rows * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
         tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
         tl.store(Lse + part, lse, mask=h_ok)
 
@@ -213,20 +231,21 @@ def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stri
                   HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    qi = tl.program_id(2)                            # the sequence's query (0 in decode)
     pdl_wait(PDL)
     q_row = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) == q_row:
+    if tl.load(query_start_loc + seq + 1) - q_row <= qi:
         return
+    row = (q_row + qi).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
-    part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s
+    part = (row * tl.num_programs(1) + head) * num_splits + offs_s
     lse = tl.load(Lse + part, mask=s_ok, other=float("-inf"))
     w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
     o = tl.load(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(Out.dtype.element_ty))
+    tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,14 +287,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None, num_splits: int | None = None,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                      kv_scales: KVScales | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence (q [B, H, d], meta.max_query_len <= 1).
+    """Attention of one query token per sequence (q [B, H, d], meta.max_query_len <= 1), or of a
+    few (a speculative verify step's k + 1: up to MAX_QUERIES, each sequence's queries the last
+    positions of its context, causal among themselves): a sequence's queries and its group's heads
+    are the packed rows of one program (QUERIES x GROUP <= 128), so its K/V is still read once.
     An FP8 cache needs kv_scales = (k_scale, v_scale) (attention_ref.py's layout).
 
-    `workspace` = (o_part float32 with >= B*H*num_splits*d elements, lse float32 with >=
-    B*H*num_splits elements) lets a caller (e.g. a CUDA graph) preallocate the split buffers.
+    `workspace` = (o_part float32 with >= T*H*num_splits*d elements, lse float32 with >=
+    T*H*num_splits elements, T the query rows) lets a caller (e.g. a CUDA graph) preallocate the split buffers.
     """
-    if meta.max_query_len > 1:
-        raise ValueError("decode_attention needs max_query_len <= 1; use prefill_attention")
     _check_inputs(q, k_cache, sliding_window)
     scales = check_kv_scales(k_cache, v_cache, kv_scales)
     q = _last_dim_contiguous(q)
@@ -283,7 +303,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    batch = meta.num_seqs
+    batch, queries = meta.num_seqs, max(1, meta.max_query_len)
+    if not fits_decode(meta.max_query_len, group):
+        raise ValueError(f"decode_attention takes up to {MAX_QUERIES} queries a sequence and {_MAX_ROWS} packed rows "
+                         f"(queries x {group} heads a kv head), got max_query_len {meta.max_query_len}: "
+                         "use prefill_attention")
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0 or batch == 0:
@@ -291,7 +315,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seq_span = min(meta.max_seq_len, sliding_window) if sliding_window else meta.max_seq_len
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, seq_span, q.device)
-    n_part = batch * num_heads * num_splits
+    n_part = q.shape[0] * num_heads * num_splits
     if num_splits == 1:
         o_part = lse = out  # unused placeholders
     elif workspace is not None:
@@ -310,12 +334,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         *ks.stride()[:3], *vs.stride()[:3],
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        GROUP=group, QUERIES=queries, BLOCK_H=max(16, triton.next_power_of_2(queries * group)), HEAD_DIM=head_dim,
+        PAGE=page,
         SLIDING=sliding_window is not None, DIRECT=num_splits == 1, FP8=scales is not None,
         ASM=not _INTERPRET and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, **launch_options(pdl))
     if num_splits > 1:
-        _merge_kernel[(batch, num_heads)](
+        _merge_kernel[(batch, num_heads, queries)](
             out, o_part, lse, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
             **launch_options(pdl))
