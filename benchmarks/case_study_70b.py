@@ -201,6 +201,16 @@ def bench_serve(url: str, L: dict, rate: float, prompts: int, path: str, timeout
         return None
 
 
+def gpu_name() -> str:
+    """The GPU the server ran on (nvidia-smi: this process keeps no CUDA context beside the server's)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "cpu"
+
+
 def keeps_slo(s: dict | None) -> bool:
     return (s is not None and s["failed"] == 0 and s["ttft_s"] is not None and s["ttft_s"]["p99"] < SLO_TTFT
             and (s["itl_s"] is None or s["itl_s"]["p99"] < SLO_ITL))
@@ -239,7 +249,7 @@ def serve_sweep(a, deadline: float) -> dict:
         proc.wait(30)
     met = [p for p in probes if p.get("keeps_p99_slo")]
     best = max(met, key=lambda p: p["rate"]) if met else None
-    return dict(rates=rates, max_num_batched_tokens=budget, budget_from=why, probes=probes, chosen_rate=best and best["rate"],
+    return dict(device=gpu_name(), rates=rates, max_num_batched_tokens=budget, budget_from=why, probes=probes, chosen_rate=best and best["rate"],
                 goodput_tok_s=best and best["goodput_tok_s"],
                 note=None if best else "no rate of the sweep kept p99 TTFT < 500 ms and p99 ITL < 50 ms")
 
@@ -290,12 +300,12 @@ def summarize_round(a, serve: dict | None) -> dict:
                 roofline_first_target=first, spec=dict(alpha=ALPHA, k=K, **{
                     f"{n}_acceptance_rate": (load(f"latency_b1_{n}.json") or {}).get("spec_acceptance_rate")
                     for n in ("spec", "ngram")}) if a.round == 3 else None,
-                serve=serve and {k: serve.get(k) for k in ("max_num_batched_tokens", "budget_from", "chosen_rate", "note",
+                serve=serve and {k: serve.get(k) for k in ("device", "max_num_batched_tokens", "budget_from", "chosen_rate", "note",
                                                              "probes")})
 
 
-def measure_in_child(a) -> int:
-    """The round's one-engine part (`measure`) in a child process; its exit status."""
+def model_setup(a) -> None:
+    """The round's --model: a bundled demo model with --smoke, else the config-only 70B (written if missing)."""
     if a.smoke:     # a CI-sized run: the 3M draft model, or the 12M demo where INT4 needs 128-wide groups
         from ridge.assets import demo_model_path
         a.model = a.model or (demo_model_path() if "int4" in engine_flags(a) else
@@ -303,6 +313,11 @@ def measure_in_child(a) -> int:
     elif not os.path.exists(os.path.join(a.model, "config.json")):
         subprocess.run([sys.executable, "-m", "ridge.utils.random_checkpoint", a.model, "--arch", "llama",
                         "--preset", "llama3-70b", "--config-only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def measure_in_child(a) -> int:
+    """The round's one-engine part (`measure`) in a child process; its exit status."""
+    model_setup(a)
     child = [sys.executable, os.path.abspath(__file__), "measure", "--round", str(a.round), "--model", a.model,
              "--out", a.out, "--engine-args", a.engine_args or ""] + (["--smoke"] if a.smoke else [])
     return subprocess.run(child, cwd=ROOT).returncode
@@ -313,7 +328,9 @@ def run_round(a) -> int:
 
     t0 = time.monotonic()
     os.makedirs(a.out, exist_ok=True)
-    rc = 0 if a.summarize_only else measure_in_child(a)
+    if a.serve_only:            # the measured files stay; the server needs the model and sizes its chunk from them
+        model_setup(a)
+    rc = 0 if a.summarize_only or a.serve_only else measure_in_child(a)
     serve, t1 = None, time.monotonic()
     if rc == 0 and not (a.no_serve or a.summarize_only):
         try:
@@ -325,7 +342,7 @@ def run_round(a) -> int:
     elif a.summarize_only and os.path.exists(os.path.join(a.out, "serve_sweep.json")):
         serve = json.load(open(os.path.join(a.out, "serve_sweep.json")))
     summary = summarize_round(a, serve)
-    summary.update(measure_rc=rc, measure_s=None if a.summarize_only else t1 - t0,
+    summary.update(measure_rc=rc, measure_s=None if a.summarize_only or a.serve_only else t1 - t0,
                    serve_s=None if a.summarize_only else time.monotonic() - t1)
     write_json(os.path.join(a.out, "summary.json"), summary)
     for f in summary["figures"]:
@@ -358,6 +375,8 @@ def main(argv=None) -> int:
         r.add_argument("--num-prompts", type=int, default=None, help="requests per serve probe")
         r.add_argument("--start-timeout-s", type=float, default=300, help="for ridge serve's engine to be ready")
         r.add_argument("--no-serve", action="store_true", help="skip the serve sweep")
+        r.add_argument("--serve-only", action="store_true",
+                       help="only the serve sweep, sized from the batch-1 latency run already in --out")
         r.add_argument("--summarize-only", action="store_true",
                        help="measure nothing: write summary.json from the files already in --out")
     s = sub.add_parser("story", help="the figures table of docs/case-study-70b.md and the plot, from summary.json")

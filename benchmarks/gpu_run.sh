@@ -98,7 +98,8 @@
 #   case-70b       benchmarks/case_study_70b.py round --round $ROUND (default 0) on the Llama-3-70B shape (config only,
 #                  dummy weights; CASE_ARGS passes flags, e.g. --engine-args '...' --rates 2 4 8): ridge bench latency,
 #                  ridge roofline and the ridge serve sweep, bounded by what is left -> case70b_round$ROUND.tar.gz (the
-#                  round's directory) and its summary.json; one H200
+#                  round's directory) and its summary.json; one H200. CASE_ARGS=--serve-only: the serve sweep of the
+#                  round already in docs/case-study-70b/round-$ROUND (its latency run sizes the server's chunk)
 # Every part runs with NCCL_NVLS_ENABLE=0 (NVLink multicast off).
 # The Llama-3-8B-shaped random checkpoint (transformers) is written in the background at the start
 # when a part needs it (ab, tests-engine, fastpath), while tests-kernels runs; every timed part
@@ -321,7 +322,8 @@ part moe-mixtral 150 500 "python3 -m ridge.utils.random_checkpoint /tmp/mixtral-
 part tp-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_tp_gpu.py 2>&1 | tee -a $TESTS | tail -15"
 part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b ${TP_ARGS:-} --json $OUT/tp_decode.json \
     2>&1 | grep -v -i warn | tail -30"
-part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; python3 benchmarks/case_study_70b.py round --round \$R \
+part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; mkdir -p \$D; \
+    [[ '${CASE_ARGS:-}' == *--serve-only* ]] && cp -r docs/case-study-70b/round-\$R/. \$D/; python3 benchmarks/case_study_70b.py round --round \$R \
     --model /tmp/llama3-70b --out \$D --budget-s \$(( $(left) - 30 )) ${CASE_ARGS:-} 2>&1 | grep -v -i warn | tail -20; \
     cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
 part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape ${TP_COMM_SHAPE:-llama3-8b} --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \

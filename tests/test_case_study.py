@@ -102,7 +102,8 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
     monkeypatch.setattr(cs, "start_server", no_server)
     monkeypatch.setattr(cs, "subprocess", SimpleNamespace(run=lambda *a, **k: SimpleNamespace(returncode=0)))  # measure
     args = cs.argparse.Namespace(round=0, smoke=True, model=None, out=str(out), engine_args="", budget_s=60,
-                                 rates=None, num_prompts=None, start_timeout_s=1, no_serve=False, summarize_only=False)
+                                 rates=None, num_prompts=None, start_timeout_s=1, no_serve=False, summarize_only=False,
+                                 serve_only=False)
     assert cs.run_round(args) == 0
     s = json.loads((out / "summary.json").read_text())
     figs = {f["name"]: f for f in s["figures"]}
@@ -114,3 +115,22 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
     s = json.loads((out / "summary.json").read_text())
     assert s["measure_s"] is None and "opentelemetry" in s["serve"]["note"]
     assert {f["name"]: f["measured"] for f in s["figures"]} == {n: f["measured"] for n, f in before.items()}
+
+
+def test_serve_only_adds_the_sweep_to_a_measured_round(round0, tmp_path):
+    """`--serve-only`: the serve sweep of a round measured earlier (its server's chunk sized from the
+    round's own batch-1 run), the measured files untouched, the summary carrying both."""
+    import shutil
+    out = tmp_path / "round-0"
+    shutil.copytree(round0, out)
+    for f in out.glob("serve*"):
+        f.unlink()
+    kept = {f.name: f.read_bytes() for f in out.glob("latency_*.json")} | {"report.json": (out / "report.json").read_bytes()}
+    run("round", "--round", "0", "--smoke", "--serve-only", "--out", str(out))
+    assert {n: (out / n).read_bytes() for n in kept} == kept
+    sweep = json.loads((out / "serve_sweep.json").read_text())
+    assert sweep["device"] and [p for p in sweep["probes"] if "skipped" not in p and p.get("error") is None], sweep
+    s = json.loads((out / "summary.json").read_text())
+    assert s["measure_s"] is None and s["serve"]["max_num_batched_tokens"] == sweep["max_num_batched_tokens"]
+    figs = {f["name"]: f["measured"] for f in s["figures"]}
+    assert figs["goodput_tok_s"] == sweep["goodput_tok_s"] and figs["itl_b1_ms"] > 0
