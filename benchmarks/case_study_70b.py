@@ -84,8 +84,17 @@ def serve_token_budget(a, L: dict) -> tuple[int, str]:
     ttft, step = r["ttft_s"]["median"], 1 / r["decode_tokens_per_s"]
     per_token = ttft / L["input"]
     tokens = min(L["batched_tokens"], max(32, int((0.8 * SLO_ITL - step) / per_token) // 16 * 16))
-    return tokens, (f"batch-1 decode step {step * 1e3:.1f} ms + {tokens} prefill tokens at {per_token * 1e3:.3f} ms "
-                    f"each, against {0.8 * SLO_ITL * 1e3:.0f} ms (80% of the ITL SLO)")
+    steps = math.ceil(L["serve_in"] / tokens)
+    ttft = steps * (step + tokens * per_token)      # an idle server's, in such chunks
+    why = (f"batch-1 decode step {step * 1e3:.1f} ms + {tokens} prefill tokens at {per_token * 1e3:.3f} ms each, against "
+           f"{0.8 * SLO_ITL * 1e3:.0f} ms (80% of the ITL SLO); a {L['serve_in']}-token prompt then takes {steps} such "
+           f"steps, {ttft * 1e3:.0f} ms to its first token on an idle server (TTFT SLO {SLO_TTFT * 1e3:.0f} ms)")
+    if ttft < 0.8 * SLO_TTFT:
+        return tokens, why
+    # No chunk keeps both: whole prompts keep TTFT, and p99 ITL holds while under 1% of a request's
+    # gaps carry a prefill (a low enough request rate).
+    return L["batched_tokens"], why + (": no chunk keeps both SLOs at this prefill cost, so whole prompts (the latency "
+                                       "runs' budget); p99 ITL then holds only while < 1% of a request's gaps carry one")
 
 
 # ----------------------------------------------------------------------------- 1. one engine, in a child

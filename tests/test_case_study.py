@@ -62,7 +62,10 @@ def test_smoke_round_writes_every_figure_with_its_prediction(round0):
     b1 = json.loads((round0 / "latency_b1.json").read_text())
     per_token, step = b1["ttft_s"]["median"] / 16, 1 / b1["decode_tokens_per_s"]
     budget = sweep["max_num_batched_tokens"]
-    assert budget == min(128, max(32, int((0.04 - step) / per_token) // 16 * 16)) and "prefill tokens" in sweep["budget_from"]
+    chunk = min(128, max(32, int((0.04 - step) / per_token) // 16 * 16))
+    idle_ttft = -(-16 // chunk) * (step + chunk * per_token)     # unless that breaks TTFT: whole prompts
+    assert budget == (chunk if idle_ttft < 0.4 else 128) and "prefill tokens" in sweep["budget_from"]
+    assert ("no chunk keeps both" in sweep["budget_from"]) == (idle_ttft >= 0.4)
     assert s["serve"]["max_num_batched_tokens"] == budget
     assert s["roofline_first_target"] and all(v.startswith("attack") for v in s["roofline_first_target"].values())
 
