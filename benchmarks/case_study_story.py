@@ -30,7 +30,10 @@ def story_table(found: dict) -> str:
                 ("" if f["prediction_flag"] == "within 15%" else " (**>15% off**)")
             cells.append(f"{fmt(f['measured'])}{verdict}{pred}")
         lines.append(f"| {label} ({unit}) | {'' if target is None else f'{op} {target:g}'} | " + " | ".join(cells) + " |")
-    runs = ", ".join(f"{r} ({found[r]['device']}, {found[r]['date']}{', smoke' if found[r]['smoke'] else ''})"
+    def where(s):      # the serve sweep may have run later, on another card
+        serve = (s.get("serve") or {}).get("device")
+        return s["device"] + (f"; serve sweep on {serve}" if serve and serve != s["device"] else "")
+    runs = ", ".join(f"{r} ({where(found[r])}, {found[r]['date']}{', smoke' if found[r]['smoke'] else ''})"
                      for r in found)
     return "\n".join(lines + ["", f"Rounds measured: {runs or 'none'}. ITL: decode time per output token. Goodput: "
                               "output tokens/s of the requests meeting TTFT <= 500 ms and TPOT <= 50 ms. Predicted: "

@@ -5,7 +5,7 @@
 # brings back at most 8 files): run.log (everything), tests.log (the pytest parts), summary.txt,
 # and one JSON per benchmark part that ran; a short table comes last.
 #   tests-kernels  pytest -m gpu on the kernel test files
-#   attention      benchmarks/attention.py            -> attention.json
+#   attention      benchmarks/attention.py (ATTN_ARGS passes flags, e.g. --decode-shapes 1x4096) -> attention.json
 #   gemv           benchmarks/gemv.py                 -> gemv.json
 #   fused          benchmarks/fused_kernels.py        -> fused_kernels.json
 #   int4           benchmarks/int4_gemm.py: W4A16 kernels vs cuBLAS bf16 and tinygemm, 8B/70B shapes
@@ -165,7 +165,7 @@ rest=""; for f in $(grep -l "mark.gpu" tests/test_*.py); do [[ " $KERNEL_TESTS "
 part tests-kernels 60 240 "python3 -m pytest -q -rA -m gpu $present 2>&1 | tee -a $TESTS | tail -15"
 # the timed parts run alone on the device: the checkpoint writer finishes first
 if has attention || has gemv || has fused; then wait_ckpt; fi
-part attention 60 240 "python3 benchmarks/attention.py --json $OUT/attention.json"
+part attention 60 240 "python3 benchmarks/attention.py ${ATTN_ARGS:-} --json $OUT/attention.json"
 part gemv 60 200 "python3 benchmarks/gemv.py ${GEMV_ARGS:-} --json $OUT/gemv.json | tail -${GEMV_TAIL:-60}"
 part fused 60 180 "python3 benchmarks/fused_kernels.py --json $OUT/fused_kernels.json"
 if has int4; then wait_ckpt; fi
