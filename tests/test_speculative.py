@@ -312,8 +312,9 @@ def test_gpu_greedy_follows_plain_decoding(proposer):
 
 
 def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
-    from ridge.engine.speculation import PROBE, PROBE_STEPS, StepClock
+    from ridge.engine.speculation import PROBE, PROBE_COST, PROBE_STEPS, StepClock
     clock = StepClock()
+    b = clock.bucket(4)
 
     def run(way, n, tokens, seconds):
         for _ in range(n):
@@ -323,12 +324,40 @@ def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
     run(True, PROBE_STEPS, 2, 0.010)                       # nothing timed: a run of drafting steps, 5 ms a token
     run(False, PROBE_STEPS, 4, 0.004)                      # then a run of plain ones, 1 ms a token
     assert not clock.pays(4) and clock.pays(64)            # slower: off at this batch size only
-    run(False, PROBE - PROBE_STEPS, 4, 0.004)
-    run(True, PROBE_STEPS, 2, 0.010)                       # PROBE steps after drafts last ran, a probe re-times them: slower
-    run(False, 2 * PROBE, 4, 0.004)                        # so the next probe waits twice as long
-    run(True, PROBE_STEPS, 12, 0.004)                      # now they pay
-    assert clock.pays(4) and clock.interval[clock.bucket(4)] == PROBE
-    run(True, 20, 12, 0.004)
+    # drafting loses 5x: a probe of it (4 steps at 5x the time a token) is spaced to cost PROBE_COST at most
+    wait = clock.interval[b]
+    assert wait == math.ceil(PROBE_STEPS * (1 - 1 / 5) / PROBE_COST) > PROBE
+    run(False, wait - PROBE_STEPS, 4, 0.004)
+    run(True, PROBE_STEPS, 2, 0.010)                       # a probe re-times them: slower again
+    assert clock.interval[b] == 2 * wait                   # so the next probe waits twice as long
+    run(False, 2 * wait, 4, 0.004)
+    run(True, PROBE_STEPS, 12, 0.004)                      # now they pay, 3x: plain decoding re-timed that seldom
+    assert clock.pays(4) and clock.interval[b] == math.ceil(PROBE_STEPS * (1 - 1 / 3) / PROBE_COST)
+    run(True, clock.interval[b] - PROBE_STEPS, 12, 0.004)
+    run(False, PROBE_STEPS, 4, 0.0012)                     # a probe finds plain decoding a little faster now: it runs,
+    assert not clock.pays(4) and clock.interval[b] == PROBE  # and drafting (10% slower) is re-timed every PROBE steps
+
+
+def test_step_clock_probes_cost_at_most_probe_cost():
+    """The 70B round 3's shape of it: verify steps of 21 ms emitting 3.5 tokens against plain steps of
+    19 ms emitting one. Each probe of plain decoding (after the first timing of both ways) costs under
+    PROBE_COST of the time since the one before it (a fixed 32-step interval: ~8%)."""
+    from ridge.engine.speculation import PROBE_COST, PROBE_STEPS, StepClock
+    clock = StepClock()
+    spent = extra = 0.0
+    probes, plain_run = [], 0
+    for step in range(1500):
+        way = clock.pays(1)
+        tokens, seconds = (3.5, 0.021) if way else (1, 0.019)
+        clock.observe(1, way, tokens=tokens, seconds=seconds)
+        spent += seconds
+        if not way:
+            extra += seconds - tokens * 0.021 / 3.5      # what drafting would have taken for the same token
+        plain_run = 0 if way else plain_run + 1
+        if plain_run == PROBE_STEPS:                      # a run of plain steps ended: a first timing or a probe
+            probes.append(extra / spent)
+            spent = extra = 0.0
+    assert len(probes) >= 3 and all(share < PROBE_COST for share in probes[1:]), probes
 
 
 def test_step_clock_is_not_decided_by_one_unlucky_verify_step():

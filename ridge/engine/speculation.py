@@ -23,9 +23,9 @@ fraction of a millisecond is bound by launches and the host, where drafting (a d
 steps, each read back) and verifying cost more than the tokens they save. So the engine also
 times its decode steps (`StepClock`: seconds per emitted token, by batch size, with and without
 drafts) and a batch size whose speculating steps are slower per token than plain ones stops
-speculating; every PROBE steps a run of PROBE_STEPS steps the other way re-times it, so a change
-(longer contexts, better drafts) is noticed (a run, not one step: a verify step emits 1 to k + 1
-tokens). Per sequence, the drafts' measured acceptance sets k: the geometric-run
+speculating; a run of PROBE_STEPS steps the other way re-times it, every PROBE steps or more (as
+many as keep the probes under PROBE_COST of the time), so a change (longer contexts, better drafts)
+is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens). Per sequence, the drafts' measured acceptance sets k: the geometric-run
 estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
 trials are in) picks the k that maximises the expected tokens per unit of verify cost,
 (1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
@@ -40,6 +40,7 @@ requests give plain decoding's tokens whether they speculate or not.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
 PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
 MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
 PROBE_STEPS = 4       # steps a way is timed over (its first timing, a probe): one verify step emits 1..k + 1
+PROBE_COST = 0.02     # the most of the time a probe of the losing way may cost, over the steps between probes
 MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
 CLOCK_DECAY = 0.8     # weight of the timing history per observed step
 
@@ -111,9 +113,11 @@ class StepClock:
                 del self.probe[b]
                 before = self._spec_wins(b)
                 self.per_token[(b, speculated)] = run.seconds / max(run.tokens, 1)
-                if before is not None and before != speculated:  # it re-timed the losing way:
-                    lost = self._spec_wins(b) == before          # lost again: probe half as often
-                    self.interval[b] = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
+                if self._spec_wins(b) is not None:
+                    # it re-timed the losing way and that lost again: probe half as often
+                    lost = before is not None and before != speculated and self._spec_wins(b) == before
+                    grown = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
+                    self.interval[b] = max(grown, self.affordable_interval(b))
             return
         if run is not None:          # the other way ran (e.g. no sequence had drafts): give the run up
             run.other_steps += 1     # after a while, so a probe nothing can finish does not stay open
@@ -121,6 +125,16 @@ class StepClock:
                 del self.probe[b]
         x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
         self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
+
+    def affordable_interval(self, b: int) -> int:
+        """Steps between probes of the losing way that keep a probe's cost under PROBE_COST: a run of
+        PROBE_STEPS losing steps takes (1 - winner/loser seconds a token) of its time more than the
+        winner would for the same tokens, against the interval's steps (steps of either way taken as
+        equally long: a memory-bound verify step costs 1.1-1.3 plain ones). A way that loses by 3x
+        is re-timed every ~130 steps, not every 32 (the 70B's 4-step plain probes were ~7% of its steps)."""
+        spec, plain = self.per_token[(b, True)], self.per_token[(b, False)]
+        ratio = min(spec, plain) / max(spec, plain, 1e-12)
+        return min(MAX_PROBE, max(PROBE, math.ceil(PROBE_STEPS * (1 - ratio) / PROBE_COST)))
 
     def pays(self, batch: int) -> bool:
         """Speculate at this batch size: first a run of each way (drafts first), then while drafts
