@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -37,6 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
+import case_study_serve as serve_part  # noqa: E402  (beside this file)
 
 ALPHA, K = 0.78, 5                           # seed 002's speculation round
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -56,7 +55,7 @@ TARGETS = {  # name: (target, "<=" or ">=", unit, what)
     "step_b64_ms": (None, None, "ms", "decode step, batch 64"),
     "decode_b64_tok_s": (None, None, "tok/s", "decode tokens/s, batch 64"),
 }
-SLO_TTFT, SLO_ITL, TOLERANCE = 0.5, 0.05, 0.15
+TOLERANCE = 0.15
 FULL = dict(input=1024, output=128, batches=(1, 64), serve_in=1024, serve_out=256, prompts=80, rates=(2, 4, 6, 8, 12, 16),
             iters=3, warmup=1, reps=5, batched_tokens=4096)
 SMOKE = dict(input=16, output=4, batches=(1, 4), serve_in=16, serve_out=4, prompts=3, rates=(8,), iters=1, warmup=0,
@@ -69,32 +68,6 @@ def engine_flags(a, batched_tokens: int | None = None) -> list[str]:
         flags += ["--load-format", "dummy"]
     budget = batched_tokens or (SMOKE if a.smoke else FULL)["batched_tokens"]
     return ["--model", a.model] + flags + ["--max-num-batched-tokens", str(budget)]
-
-
-def serve_token_budget(a, L: dict) -> tuple[int, str]:
-    """The server's max_num_batched_tokens, from this round's own batch-1 latency run: a decode step
-    that carries a prefill chunk must stay under the ITL SLO (with 20% to spare), so the chunk gets
-    what the SLO leaves after a decode step, at the measured prefill cost a token (Sarathi-Serve's
-    chunk sizing; the latency runs' 4,096 put a whole 1,024-token prompt in one step, 140 ms or more
-    on a 70B). Multiples of 16, at least 32; a larger running batch's decode step leaves less."""
-    path = os.path.join(a.out, "latency_b1.json")
-    if not os.path.exists(path):
-        return L["batched_tokens"], "no batch-1 latency run to size the chunk from: the latency runs' budget"
-    r = json.load(open(path))
-    ttft, step = r["ttft_s"]["median"], 1 / r["decode_tokens_per_s"]
-    per_token = ttft / L["input"]
-    tokens = min(L["batched_tokens"], max(32, int((0.8 * SLO_ITL - step) / per_token) // 16 * 16))
-    steps = math.ceil(L["serve_in"] / tokens)
-    ttft = steps * (step + tokens * per_token)      # an idle server's, in such chunks
-    why = (f"batch-1 decode step {step * 1e3:.1f} ms + {tokens} prefill tokens at {per_token * 1e3:.3f} ms each, against "
-           f"{0.8 * SLO_ITL * 1e3:.0f} ms (80% of the ITL SLO); a {L['serve_in']}-token prompt then takes {steps} such "
-           f"steps, {ttft * 1e3:.0f} ms to its first token on an idle server (TTFT SLO {SLO_TTFT * 1e3:.0f} ms)")
-    if ttft < 0.8 * SLO_TTFT:
-        return tokens, why
-    # No chunk keeps both: whole prompts keep TTFT, and p99 ITL holds while under 1% of a request's
-    # gaps carry a prefill (a low enough request rate).
-    return L["batched_tokens"], why + (": no chunk keeps both SLOs at this prefill cost, so whole prompts (the latency "
-                                       "runs' budget); p99 ITL then holds only while < 1% of a request's gaps carry one")
 
 
 # ----------------------------------------------------------------------------- 1. one engine, in a child
@@ -179,90 +152,6 @@ def predicted_spec_itl(llm, rep, L: dict) -> float:
     return step / ((1 - ALPHA ** (K + 1)) / (1 - ALPHA))
 
 
-# ----------------------------------------------------------------------------- 2. the serve sweep
-def start_server(a, log_path: str, batched_tokens: int):
-    cmd = [sys.executable, "-m", "ridge", "serve", *engine_flags(a, batched_tokens), "--port", "0", "--log-level", "info"]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    deadline = time.monotonic() + a.start_timeout_s
-    while True:
-        text = open(log_path).read()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text)
-        if m and "engine ready" in text:
-            return proc, m.group(1)
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"ridge serve did not start ({' '.join(cmd)}):\n{text[-3000:]}")
-        time.sleep(0.5)
-
-
-def bench_serve(url: str, L: dict, rate: float, prompts: int, path: str, timeout: float) -> dict | None:
-    """`ridge bench serve`'s summary (None: it wrote none, e.g. the server died or it ran out of time)."""
-    cmd = [sys.executable, "-m", "ridge", "bench", "serve", "--base-url", url, "--num-prompts", str(prompts),
-           "--request-rate", str(rate), "--input-len", str(L["serve_in"]), "--output-len", str(L["serve_out"]),
-           "--slo-ttft", str(SLO_TTFT), "--slo-tpot", str(SLO_ITL), "--temperature", "0", "--json", path]
-    try:
-        subprocess.run(cmd, cwd=ROOT, check=False, timeout=timeout, stdout=subprocess.DEVNULL)
-        with open(path) as f:
-            return json.load(f)["summary"]
-    except (subprocess.TimeoutExpired, OSError, ValueError, KeyError):
-        return None
-
-
-def gpu_name() -> str:
-    """The GPU the server ran on (nvidia-smi: this process keeps no CUDA context beside the server's)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=30).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    return out[0] if out else "cpu"
-
-
-def keeps_slo(s: dict | None) -> bool:
-    return (s is not None and s["failed"] == 0 and s["ttft_s"] is not None and s["ttft_s"]["p99"] < SLO_TTFT
-            and (s["itl_s"] is None or s["itl_s"]["p99"] < SLO_ITL))
-
-
-def serve_sweep(a, deadline: float) -> dict:
-    """Bisect the rate ladder on one server (its token budget from serve_token_budget): each probe's
-    time is about prompts / rate plus the last request's decode; a probe that would not end before
-    `deadline` is not started."""
-    L = (SMOKE if a.smoke else FULL)
-    rates = sorted(a.rates or L["rates"])
-    budget, why = serve_token_budget(a, L)
-    proc, url = start_server(a, os.path.join(a.out, "serve.log"), budget)
-    probes, lo, hi = [], 0, len(rates) - 1
-    try:
-        bench_serve(url, L, math.inf, 2, os.path.join(a.out, "serve_warmup.json"), 600)
-        while lo <= hi:
-            i = (lo + hi) // 2
-            rate, n = rates[i], a.num_prompts or L["prompts"]
-            need = n / rate + L["serve_out"] * 0.06 + 10
-            if time.monotonic() + need > deadline:
-                probes.append(dict(rate=rate, skipped=f"needs ~{need:.0f} s, {deadline - time.monotonic():.0f} s left"))
-                break
-            s = bench_serve(url, L, rate, n, os.path.join(a.out, f"serve_rate{rate:g}.json"), need * 3 + 60)
-            ok = keeps_slo(s)
-            probes.append(dict(rate=rate, keeps_p99_slo=ok, error=None) if s is None else dict(
-                rate=rate, keeps_p99_slo=ok, ttft_p99_s=(s["ttft_s"] or {}).get("p99"), itl_p99_s=(s["itl_s"] or {}).get(
-                    "p99"), goodput_tok_s=s["goodput_output_throughput"], output_tok_s=s["output_throughput"],
-                failed=s["failed"]))
-            if s is None:
-                probes[-1]["error"] = "ridge bench serve wrote no result (see serve.log)"
-                break
-            lo, hi = (i + 1, hi) if ok else (lo, i - 1)
-    finally:
-        proc.kill()                      # nothing of the server is kept; its log is in serve.log
-        proc.wait(30)
-    met = [p for p in probes if p.get("keeps_p99_slo")]
-    best = max(met, key=lambda p: p["rate"]) if met else None
-    return dict(device=gpu_name(), rates=rates, max_num_batched_tokens=budget, budget_from=why, probes=probes, chosen_rate=best and best["rate"],
-                goodput_tok_s=best and best["goodput_tok_s"],
-                note=None if best else "no rate of the sweep kept p99 TTFT < 500 ms and p99 ITL < 50 ms")
-
-
 # ----------------------------------------------------------------------------- 3. summary.json
 def figure(name: str, measured, predicted=None, source: str = "") -> dict:
     target, op, unit, what = TARGETS[name]
@@ -343,17 +232,22 @@ def run_round(a) -> int:
     serve, t1 = None, time.monotonic()
     if rc == 0 and not (a.no_serve or a.summarize_only):
         try:
-            serve = serve_sweep(a, t0 + a.budget_s)
+            L = SMOKE if a.smoke else FULL
+            serve = serve_part.serve_sweep(a.out, L, sorted(a.rates or L["rates"]), a.num_prompts or L["prompts"],
+                                           lambda tokens: engine_flags(a, tokens), a.start_timeout_s, t0 + a.budget_s)
         except RuntimeError as e:        # the server did not start: the measured part is kept
             serve = dict(max_num_batched_tokens=None, budget_from=None, chosen_rate=None, goodput_tok_s=None,
                          probes=[], note=f"not measured: {str(e)[-1500:]}")
         write_json(os.path.join(a.out, "serve_sweep.json"), serve)
     elif a.summarize_only and os.path.exists(os.path.join(a.out, "serve_sweep.json")):
         serve = json.load(open(os.path.join(a.out, "serve_sweep.json")))
-    summary = summarize_round(a, serve)
-    summary.update(measure_rc=rc, measure_s=None if a.summarize_only or a.serve_only else t1 - t0,
-                   serve_s=None if a.summarize_only else time.monotonic() - t1)
-    write_json(os.path.join(a.out, "summary.json"), summary)
+    summary, path = summarize_round(a, serve), os.path.join(a.out, "summary.json")
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    summary.update(measure_rc=rc, measure_s=t1 - t0, serve_s=time.monotonic() - t1)
+    if a.summarize_only or a.serve_only:      # what was not run keeps the earlier summary's figure
+        summary.update({k: old.get(k) for k in ("measure_rc", "measure_s")} | ({"serve_s": old.get("serve_s")}
+                       if a.summarize_only else {}))
+    write_json(path, summary)
     for f in summary["figures"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[f["met"]]
         print(f"{f['name']:<18} measured {fmt(f['measured'])} predicted {fmt(f['predicted'])}"

@@ -32,7 +32,8 @@ def story_table(found: dict) -> str:
         lines.append(f"| {label} ({unit}) | {'' if target is None else f'{op} {target:g}'} | " + " | ".join(cells) + " |")
     def where(s):      # the serve sweep may have run later, on another card
         serve = (s.get("serve") or {}).get("device")
-        return s["device"] + (f"; serve sweep on {serve}" if serve and serve != s["device"] else "")
+        device = s.get("device") or "device unknown"
+        return device + (f"; serve sweep on {serve}" if serve and serve != device else "")
     runs = ", ".join(f"{r} ({where(found[r])}, {found[r]['date']}{', smoke' if found[r]['smoke'] else ''})"
                      for r in found)
     return "\n".join(lines + ["", f"Rounds measured: {runs or 'none'}. ITL: decode time per output token. Goodput: "

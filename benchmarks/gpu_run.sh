@@ -236,7 +236,7 @@ part fp8-roofline 100 300 "python3 -m ridge.utils.random_checkpoint $CFG8B --pre
 part spec-demo 60 300 "python3 benchmarks/spec_decode.py demo --json $OUT/spec_demo.json 2>&1 | grep -v -i warn"
 part spec-verify 90 500 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
   python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy ${SPEC_ARGS:-} --json $OUT/spec_verify.json \
-    2>&1 | grep -v -i warn && if [ -n \"${SPEC_BASE:-}\" ]; then echo '--- the same in SPEC_BASE (${SPEC_BASE:-})'; \
+    2>&1 | grep -v -i warn; if [ -n \"${SPEC_BASE:-}\" ]; then echo '--- the same in SPEC_BASE (${SPEC_BASE:-})'; \
   cd ${SPEC_BASE:-.} && PYTHONPATH=\$PWD:/tmp/site python3 benchmarks/spec_decode.py verify --model $CFG8B --load-format dummy \
     ${SPEC_ARGS:-} --json $OUT/spec_verify_base.json 2>&1 | grep -v -i warn; fi"
 part spec-oracle 120 400 "python3 -m ridge.utils.random_checkpoint $CFG8B --preset llama3-8b --config-only > /dev/null && \
@@ -323,7 +323,7 @@ part tp-tests 120 500 "python3 -m pytest -q -rA -m gpu tests/test_tp_gpu.py 2>&1
 part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b ${TP_ARGS:-} --json $OUT/tp_decode.json \
     2>&1 | grep -v -i warn | tail -30"
 part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; mkdir -p \$D; \
-    [[ '${CASE_ARGS:-}' == *--serve-only* ]] && cp -r docs/case-study-70b/round-\$R/. \$D/; python3 benchmarks/case_study_70b.py round --round \$R \
+    [[ \" \${CASE_ARGS:-} \" == *' --serve-only '* ]] && cp -r docs/case-study-70b/round-\$R/. \$D/; python3 benchmarks/case_study_70b.py round --round \$R \
     --model /tmp/llama3-70b --out \$D --budget-s \$(( $(left) - 30 )) ${CASE_ARGS:-} 2>&1 | grep -v -i warn | tail -20; \
     cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
 part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape ${TP_COMM_SHAPE:-llama3-8b} --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \

@@ -122,6 +122,13 @@ def test_decode_fp8_strided_scales_splits_and_window():
     check_fp8([1] * 4, lens, 8, 2, 64, decode_attention, window=24, num_splits=1)
 
 
+def test_decode_fp8_verify_step():
+    """A verify step's few queries a sequence over an FP8 cache, split over the context and not."""
+    lens = [20, 77, 9, 140]
+    check_fp8([6, 1, 0, 4], lens, 8, 2, 64, decode_attention, num_splits=3)
+    check_fp8([6, 1, 0, 4], lens, 8, 2, 64, decode_attention, window=30, num_splits=1)
+
+
 def test_decode_fp8_head_dim_128_page_32():
     check_fp8([1] * 3, [31, 33, 90], 4, 1, 128, decode_attention, page=32)
 

@@ -200,6 +200,8 @@ def test_decode_kernel_takes_verify_steps(heads, kv_heads):
 
 def test_decode_verify_step_with_a_sliding_window_and_its_limits():
     check([4, 2, 4], [30, 77, 9], 8, 2, 64, decode_attention, window=5)
+    # the window over several splits: a later query's keys start in a later split than the first's
+    check([8, 1, 0, 5], [90, 77, 9, 140], 8, 2, 64, decode_attention, window=40, num_splits=3)
     from ridge.kernels.decode_attention import MAX_QUERIES, fits_decode
     assert fits_decode(MAX_QUERIES, 16) and not fits_decode(MAX_QUERIES + 1, 1) and not fits_decode(8, 32)
 

@@ -102,7 +102,7 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
 
     def no_server(*args, **kwargs):
         raise RuntimeError("ridge serve did not start: ModuleNotFoundError: No module named 'opentelemetry'")
-    monkeypatch.setattr(cs, "start_server", no_server)
+    monkeypatch.setattr(cs.serve_part, "start_server", no_server)
     monkeypatch.setattr(cs, "subprocess", SimpleNamespace(run=lambda *a, **k: SimpleNamespace(returncode=0)))  # measure
     args = cs.argparse.Namespace(round=0, smoke=True, model=None, out=str(out), engine_args="", budget_s=60,
                                  rates=None, num_prompts=None, start_timeout_s=1, no_serve=False, summarize_only=False,
@@ -134,6 +134,20 @@ def test_serve_only_adds_the_sweep_to_a_measured_round(round0, tmp_path):
     sweep = json.loads((out / "serve_sweep.json").read_text())
     assert sweep["device"] and [p for p in sweep["probes"] if "skipped" not in p and p.get("error") is None], sweep
     s = json.loads((out / "summary.json").read_text())
-    assert s["measure_s"] is None and s["serve"]["max_num_batched_tokens"] == sweep["max_num_batched_tokens"]
+    measured = json.loads((round0 / "summary.json").read_text())      # what --serve-only did not run keeps its figure
+    assert s["measure_s"] == measured["measure_s"] > 0 and s["measure_rc"] == 0
+    assert s["serve"]["max_num_batched_tokens"] == sweep["max_num_batched_tokens"]
     figs = {f["name"]: f["measured"] for f in s["figures"]}
     assert figs["goodput_tok_s"] == sweep["goodput_tok_s"] and figs["itl_b1_ms"] > 0
+
+
+def test_story_names_the_serve_sweeps_card_and_survives_a_round_without_one(round0, tmp_path):
+    import shutil
+    rounds = tmp_path / "case-study-70b"
+    shutil.copytree(round0, rounds / "round-0")
+    s = json.loads((rounds / "round-0" / "summary.json").read_text())
+    s["device"], s["serve"]["device"] = None, "NVIDIA H100 80GB HBM3"   # a failed measure; the sweep ran later
+    (rounds / "round-0" / "summary.json").write_text(json.dumps(s))
+    run("story", "--rounds", str(rounds))
+    line = next(x for x in (tmp_path / "case-study-70b.md").read_text().splitlines() if x.startswith("Rounds measured"))
+    assert "0 (device unknown; serve sweep on NVIDIA H100 80GB HBM3" in line

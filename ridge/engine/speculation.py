@@ -25,8 +25,8 @@ times its decode steps (`StepClock`: seconds per emitted token, by batch size, w
 drafts) and a batch size whose speculating steps are slower per token than plain ones stops
 speculating; a run of PROBE_STEPS steps the other way re-times it, every PROBE steps or more (as
 many as keep the probes under PROBE_COST of the time), so a change (longer contexts, better drafts)
-is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens). Per sequence, the drafts' measured acceptance sets k: the geometric-run
-estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
+is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens). Per sequence, the drafts'
+measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
 trials are in) picks the k that maximises the expected tokens per unit of verify cost,
 (1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
 under one token per plain step pauses for PAUSE tokens (doubling while it keeps failing), then

@@ -18,8 +18,9 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     plus the new tokens' k, v ([T, kvh, d]), which the prefill kernel reads contiguously.
 
     A batch of at most MAX_QUERIES queries a sequence (decode; a speculative verify step's k + 1)
-    goes to the split-KV decode kernel, whose GQA packing and context splitting suit a few query
-    rows per sequence; anything with a longer chunk goes to the prefill kernel, which also serves
+    whose queries x group heads fit one program's 128 rows goes to the split-KV decode kernel,
+    whose GQA packing and context splitting suit a few query rows per sequence; anything else
+    (a longer chunk, or too many rows) goes to the prefill kernel, which also serves
     the batch's decode rows. `out` ([T, H, d]) is optional.
     An FP8 cache comes with kv_scales = (k_scale, v_scale); k, v are then its dequantized values.
     """

@@ -1,4 +1,5 @@
-"""Decode attention (one query token per sequence) over the paged KV cache: split-KV flash-decoding.
+"""Decode attention (one query token per sequence, or a verify step's few) over the paged KV cache:
+split-KV flash-decoding.
 
 Decode is memory bound: every K/V byte of the context is read once per step, the FLOPs are tiny.
 Two choices make the kernel stream at HBM speed:
@@ -120,7 +121,7 @@ def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, stride_ksb, stride_kst, s
 # would otherwise compile a variant per value class (== 1, divisible by 16) of each, multiplying
 # the compiles that decode-graph capture pays. The picks are kept in Triton's cache beside the
 # compiled kernels (cache_results), so a warm start replays them instead of timing every config.
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "PAGE", "DIRECT", "FP8", "work_bucket", "grid_bucket"],
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "QUERIES", "PAGE", "DIRECT", "FP8", "work_bucket", "grid_bucket"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_tables, query_start_loc,
@@ -242,7 +243,7 @@ def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stri
     s_ok = offs_s < num_splits
     part = (row * tl.num_programs(1) + head) * num_splits + offs_s
     lse = tl.load(Lse + part, mask=s_ok, other=float("-inf"))
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    w = tl.math.exp2(lse - tl.max(lse, 0))  # the split holding the row's own position is never empty
     o = tl.load(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
