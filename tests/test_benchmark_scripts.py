@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPTS = sorted(glob.glob(os.path.join(BENCH, "*.py")))
-LIBRARIES = ("timing.py", "case_study_story.py", "tp_scale.py")          # imported by the scripts, not run
+LIBRARIES = ("timing.py", "case_study_serve.py", "case_study_story.py", "tp_scale.py")          # imported by the scripts, not run
 
 
 def load(name: str):
