@@ -242,11 +242,11 @@ def run_round(a) -> int:
     elif a.summarize_only and os.path.exists(os.path.join(a.out, "serve_sweep.json")):
         serve = json.load(open(os.path.join(a.out, "serve_sweep.json")))
     summary, path = summarize_round(a, serve), os.path.join(a.out, "summary.json")
-    old = json.load(open(path)) if os.path.exists(path) else {}
     summary.update(measure_rc=rc, measure_s=t1 - t0, serve_s=time.monotonic() - t1)
-    if a.summarize_only or a.serve_only:      # what was not run keeps the earlier summary's figure
-        summary.update({k: old.get(k) for k in ("measure_rc", "measure_s")} | ({"serve_s": old.get("serve_s")}
-                       if a.summarize_only else {}))
+    not_run = ((("measure_rc", "measure_s") if a.summarize_only or a.serve_only else ())
+               + (("serve_s",) if a.summarize_only else ()))     # these keep the earlier summary's figures
+    old = json.load(open(path)) if not_run and os.path.exists(path) else {}
+    summary.update({k: old.get(k) for k in not_run})
     write_json(path, summary)
     for f in summary["figures"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[f["met"]]

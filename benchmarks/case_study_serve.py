@@ -105,12 +105,12 @@ def serve_sweep(out: str, L: dict, rates: list[float], prompts: int, flags_for, 
         bench_serve(url, L, math.inf, 2, os.path.join(out, "serve_warmup.json"), 600)
         while lo <= hi:
             i = (lo + hi) // 2
-            rate, n = rates[i], prompts
-            need = n / rate + L["serve_out"] * 0.06 + 10
+            rate = rates[i]
+            need = prompts / rate + L["serve_out"] * 0.06 + 10
             if time.monotonic() + need > deadline:
                 probes.append(dict(rate=rate, skipped=f"needs ~{need:.0f} s, {deadline - time.monotonic():.0f} s left"))
                 break
-            s = bench_serve(url, L, rate, n, os.path.join(out, f"serve_rate{rate:g}.json"), need * 3 + 60)
+            s = bench_serve(url, L, rate, prompts, os.path.join(out, f"serve_rate{rate:g}.json"), need * 3 + 60)
             ok = keeps_slo(s)
             probes.append(dict(rate=rate, keeps_p99_slo=ok, error=None) if s is None else dict(
                 rate=rate, keeps_p99_slo=ok, ttft_p99_s=(s["ttft_s"] or {}).get("p99"), itl_p99_s=(s["itl_s"] or {}).get(

@@ -26,8 +26,9 @@ drafts) and a batch size whose speculating steps are slower per token than plain
 speculating; a run of PROBE_STEPS steps the other way re-times it, every PROBE steps or more (as
 many as keep the probes under PROBE_COST of the time), so a change (longer contexts, better drafts)
 is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens). Per sequence, the drafts'
-measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted + rejections) over a decaying window (used once MIN_TRIALS
-trials are in) picks the k that maximises the expected tokens per unit of verify cost,
+measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted + rejections)
+over a decaying window (used once MIN_TRIALS trials are in) picks the k that maximises the
+expected tokens per unit of verify cost,
 (1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
 under one token per plain step pauses for PAUSE tokens (doubling while it keeps failing), then
 tries again.
@@ -113,9 +114,10 @@ class StepClock:
                 del self.probe[b]
                 before = self._spec_wins(b)
                 self.per_token[(b, speculated)] = run.seconds / max(run.tokens, 1)
-                if self._spec_wins(b) is not None:
+                after = self._spec_wins(b)
+                if after is not None:
                     # it re-timed the losing way and that lost again: probe half as often
-                    lost = before is not None and before != speculated and self._spec_wins(b) == before
+                    lost = before is not None and before != speculated and after == before
                     grown = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
                     self.interval[b] = max(grown, self.affordable_interval(b))
             return
