@@ -46,6 +46,47 @@ from ridge.kernels.int4_matmul import PACK
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ: nibble i of a word holds column AWQ_ORDER[i] of its 8
 SEQUENTIAL = tuple(range(PACK))
 MAX_Q = 15
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -- each format's tensors, as Int4Linear (ridge/layers/quant/int4.py) registers, checks and splits them --
+# checkpoint tensor name of each table, per format (tables with no tensor are buffers of their own name)
+TABLE_NAMES = {"awq": {"qweight": "qweight", "zeros": "qzeros", "scales": "scales"},
+          "gptq": {"qweight": "qweight", "zeros": "qzeros", "scales": "scales", "g_idx": "g_idx"},
+          "compressed-tensors": {"qweight": "weight_packed", "zeros": "weight_zero_point", "scales": "weight_scale",
+                                 "shape": "weight_shape", "g_idx": "weight_g_idx"},
+          "int4": {"qweight": "weight"}}
+# per (format, table): the checkpoint tensor's shape from (K, shard outputs n, groups), its dtypes, and what it is
+TABLE_SPECS = {
+    ("awq", "qweight"): (lambda k, n, g: (k, n // PACK), (torch.int32,), "AutoAWQ GEMM qweight [K, N/8] int32"),
+    ("awq", "zeros"): (lambda k, n, g: (g, n // PACK), (torch.int32,), "AutoAWQ GEMM qzeros [K/G, N/8] int32"),
+    ("awq", "scales"): (lambda k, n, g: (g, n), _FLOAT, "AutoAWQ GEMM scales [K/G, N]"),
+    ("gptq", "qweight"): (lambda k, n, g: (k // PACK, n), (torch.int32,), "GPTQ qweight [K/8, N] int32"),
+    ("gptq", "zeros"): (lambda k, n, g: (g, n // PACK), (torch.int32,), "GPTQ qzeros [K/G, N/8] int32"),
+    ("gptq", "scales"): (lambda k, n, g: (g, n), _FLOAT, "GPTQ scales [K/G, N]"),
+    ("gptq", "g_idx"): (lambda k, n, g: (k,), (torch.int32, torch.int64), "GPTQ g_idx [K] int32"),
+    ("compressed-tensors", "qweight"): (lambda k, n, g: (n, k // PACK), (torch.int32,),
+                                        "compressed-tensors weight_packed [N, K/8] int32"),
+    ("compressed-tensors", "zeros"): (lambda k, n, g: (n // PACK, g), (torch.int32,),
+                                      "compressed-tensors weight_zero_point [N/8, K/G] int32"),
+    ("compressed-tensors", "scales"): (lambda k, n, g: (n, g), _FLOAT, "compressed-tensors weight_scale [N, K/G]"),
+    ("compressed-tensors", "shape"): (lambda k, n, g: (2,), (torch.int64, torch.int32),
+                                      "compressed-tensors weight_shape [2] int64"),
+    ("compressed-tensors", "g_idx"): (lambda k, n, g: (k,), (torch.int32, torch.int64),
+                                      "compressed-tensors weight_g_idx [K] int32"),
+    ("int4", "qweight"): (lambda k, n, g: (n, k), _FLOAT, "a float weight [N, K] to quantize at load"),
+}
+# per (format, table), where a tensor-parallel rank's part is cut (Linear.rank_share): the dimension of
+# outputs and how many one element stands for, then the same for inputs ("g": a group); None: not split
+TABLE_SPLITS = {
+    ("awq", "qweight"): (1, PACK, 0, 1), ("awq", "zeros"): (1, PACK, 0, "g"), ("awq", "scales"): (1, 1, 0, "g"),
+    ("gptq", "qweight"): (1, 1, 0, PACK), ("gptq", "zeros"): (1, PACK, 0, "g"), ("gptq", "scales"): (1, 1, 0, "g"),
+    ("gptq", "g_idx"): (None, 1, 0, 1),
+    ("compressed-tensors", "qweight"): (0, 1, 1, PACK), ("compressed-tensors", "zeros"): (0, PACK, 1, "g"),
+    ("compressed-tensors", "scales"): (0, 1, 1, "g"), ("compressed-tensors", "shape"): (None, 1, None, 1),
+    ("compressed-tensors", "g_idx"): (None, 1, 0, 1),
+    ("int4", "qweight"): (0, 1, 1, 1),
+}
 
 
 # -- nibbles ---------------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ share, so its last group may be short.
 
 Weight bytes: 0.5 per weight, plus a scale and a zero point in the activation dtype per group of
 G inputs: 0.5 + 4 / 128 bytes at G = 128 in bf16, 3.8x fewer than bf16 (the cost model counts it).
+A batch whose bucket measured faster with the weight dequantized to 16 bits and cuBLAS takes that
+path (ridge/layers/quant/int4_dispatch.py; a prefill's large batches), and its cost counts the
+16-bit weight written and read back as well.
 """
 from __future__ import annotations
 
@@ -37,13 +40,13 @@ from ridge.kernels.int4_matmul import PACK, group_size_error, groups_of, int4_ma
 from ridge.layers.cost import Precision
 from ridge.layers.quant import formats
 from ridge.layers.quant.fp8_linear import Fp8Config
+from ridge.layers.quant.int4_dispatch import dequant_matmul, dispatch_table, path_for
 from ridge.layers.weights import set_weight_loader
 
 FORMATS = ("awq", "gptq", "compressed-tensors")
 QUANTIZATIONS = FORMATS + ("int4", "fp8")       # the `quantization` setting's values (ridge/config.py)
 AT_LOAD_GROUP = 128
 DUMMY_SCALE = 0.02 / 8                    # (q - 8) * scale has about the std of a bf16 dummy weight
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # module names a "not converted" entry may match: what ridge keeps unquantized anyway; and (HF Llama
 # names, one layer's) the projections it may not match
 _UNQUANTIZED = ("lm_head", "model.embed_tokens")
@@ -184,45 +187,6 @@ def select_quantization(setting: str | None, hf_config: dict | None) -> Int4Conf
 
 
 # -- the layer -------------------------------------------------------------------------------------
-# checkpoint tensor name of each table, per format (tables with no tensor are buffers of their own name)
-_NAMES = {"awq": {"qweight": "qweight", "zeros": "qzeros", "scales": "scales"},
-          "gptq": {"qweight": "qweight", "zeros": "qzeros", "scales": "scales", "g_idx": "g_idx"},
-          "compressed-tensors": {"qweight": "weight_packed", "zeros": "weight_zero_point", "scales": "weight_scale",
-                                 "shape": "weight_shape", "g_idx": "weight_g_idx"},
-          "int4": {"qweight": "weight"}}
-# per (format, table): the checkpoint tensor's shape from (K, shard outputs n, groups), its dtypes, and what it is
-_SPECS = {
-    ("awq", "qweight"): (lambda k, n, g: (k, n // PACK), (torch.int32,), "AutoAWQ GEMM qweight [K, N/8] int32"),
-    ("awq", "zeros"): (lambda k, n, g: (g, n // PACK), (torch.int32,), "AutoAWQ GEMM qzeros [K/G, N/8] int32"),
-    ("awq", "scales"): (lambda k, n, g: (g, n), _FLOAT, "AutoAWQ GEMM scales [K/G, N]"),
-    ("gptq", "qweight"): (lambda k, n, g: (k // PACK, n), (torch.int32,), "GPTQ qweight [K/8, N] int32"),
-    ("gptq", "zeros"): (lambda k, n, g: (g, n // PACK), (torch.int32,), "GPTQ qzeros [K/G, N/8] int32"),
-    ("gptq", "scales"): (lambda k, n, g: (g, n), _FLOAT, "GPTQ scales [K/G, N]"),
-    ("gptq", "g_idx"): (lambda k, n, g: (k,), (torch.int32, torch.int64), "GPTQ g_idx [K] int32"),
-    ("compressed-tensors", "qweight"): (lambda k, n, g: (n, k // PACK), (torch.int32,),
-                                        "compressed-tensors weight_packed [N, K/8] int32"),
-    ("compressed-tensors", "zeros"): (lambda k, n, g: (n // PACK, g), (torch.int32,),
-                                      "compressed-tensors weight_zero_point [N/8, K/G] int32"),
-    ("compressed-tensors", "scales"): (lambda k, n, g: (n, g), _FLOAT, "compressed-tensors weight_scale [N, K/G]"),
-    ("compressed-tensors", "shape"): (lambda k, n, g: (2,), (torch.int64, torch.int32),
-                                      "compressed-tensors weight_shape [2] int64"),
-    ("compressed-tensors", "g_idx"): (lambda k, n, g: (k,), (torch.int32, torch.int64),
-                                      "compressed-tensors weight_g_idx [K] int32"),
-    ("int4", "qweight"): (lambda k, n, g: (n, k), _FLOAT, "a float weight [N, K] to quantize at load"),
-}
-# per (format, table), where a tensor-parallel rank's part is cut (Linear.rank_share): the dimension of
-# outputs and how many one element stands for, then the same for inputs ("g": a group); None: not split
-_SPLITS = {
-    ("awq", "qweight"): (1, PACK, 0, 1), ("awq", "zeros"): (1, PACK, 0, "g"), ("awq", "scales"): (1, 1, 0, "g"),
-    ("gptq", "qweight"): (1, 1, 0, PACK), ("gptq", "zeros"): (1, PACK, 0, "g"), ("gptq", "scales"): (1, 1, 0, "g"),
-    ("gptq", "g_idx"): (None, 1, 0, 1),
-    ("compressed-tensors", "qweight"): (0, 1, 1, PACK), ("compressed-tensors", "zeros"): (0, PACK, 1, "g"),
-    ("compressed-tensors", "scales"): (0, 1, 1, "g"), ("compressed-tensors", "shape"): (None, 1, None, 1),
-    ("compressed-tensors", "g_idx"): (None, 1, 0, 1),
-    ("int4", "qweight"): (0, 1, 1, 1),
-}
-
-
 class Int4Linear:
     """A Linear's INT4 tables and how they load, run and cost (the Linear passes itself in)."""
 
@@ -250,7 +214,7 @@ class Int4Linear:
             share = " (a tensor-parallel rank's share)" if layer.parallel == "column" else ""
             raise ValueError(f"quantization_config: a layer with {bad[0]} outputs{share} cannot be read: the format "
                              f"packs {PACK} outputs an int32")
-        names = dict(_NAMES[fmt])
+        names = dict(formats.TABLE_NAMES[fmt])
         if fmt == "compressed-tensors" and config.symmetric:
             del names["zeros"]
         if not config.has_g_idx:
@@ -271,6 +235,7 @@ class Int4Linear:
                 layer.register_buffer(role, tables[role])
                 self.names[role] = role
         layer.register_buffer("perm", None)       # act-order: the input permutation (finish_loading)
+        self.paths: dict[int, str] | None = None    # batch bucket -> "int4" / "dequant" (int4_dispatch)
 
     def table(self, layer, role: str) -> torch.Tensor:
         return getattr(layer, self.names[role])
@@ -282,7 +247,7 @@ class Int4Linear:
         off, n = layer.shard_slot(param, shard_id)
         k, g, fmt = layer.in_features, self.group_size, self.config.format
         loaded = self.rank_part(layer, role, loaded, shard_id)
-        shape, dtypes, what = _SPECS[(fmt, role)]
+        shape, dtypes, what = formats.TABLE_SPECS[(fmt, role)]
         expected = shape(k, n, groups_of(k, g))
         if loaded.dtype not in dtypes:
             raise ValueError(f"has dtype {loaded.dtype}, expected {' or '.join(map(str, dtypes))} ({what})")
@@ -319,7 +284,7 @@ class Int4Linear:
         its own groups from 0, and weight_shape says its own shape."""
         if layer.parallel is None:
             return loaded
-        split = _SPLITS[(self.config.format, role)]
+        split = formats.TABLE_SPLITS[(self.config.format, role)]
         out_dim, out_per, in_dim, in_per = (self.group_size if p == "g" else p for p in split)
         part = layer.rank_share(loaded, shard_id, out_dim, out_per, in_dim, in_per)
         if role == "g_idx" and layer.parallel == "row":
@@ -334,6 +299,17 @@ class Int4Linear:
 
     @torch.no_grad()
     def finish_loading(self, layer) -> None:
+        """The act-order permutation (below), then the path each batch bucket takes (int4_dispatch)."""
+        self.sort_act_order(layer)
+        self.choose_paths(layer)
+
+    def choose_paths(self, layer) -> None:
+        qweight = self.table(layer, "qweight")
+        if qweight.is_cuda:
+            self.paths = dispatch_table(qweight, self.table(layer, "scales"), self.table(layer, "zeros"),
+                                        self.group_size)
+
+    def sort_act_order(self, layer) -> None:
         """Act-order (GPTQ desc_act, compressed-tensors actorder group): sort the input rows by group so
         each group is G consecutive rows again (ridge's layout), and keep the permutation for x."""
         if "g_idx" not in self.names:
@@ -374,19 +350,26 @@ class Int4Linear:
             for i, (_, n) in enumerate(layer.shards.values()):
                 shape[i] = torch.tensor([n, layer.in_features])
         layer.perm = None
+        self.choose_paths(layer)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] -> [..., N]: the INT4 GEMM (+ bias)."""
+        """x [..., K] -> [..., N] (+ bias): the INT4 kernels, or for a batch where that measured slower,
+        the weight dequantized to x's dtype and cuBLAS (int4_dispatch)."""
         x2 = x.reshape(-1, x.shape[-1])
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
-        y = int4_matmul(x2, self.table(layer, "qweight"), self.table(layer, "scales"), self.table(layer, "zeros"),
-                        self.group_size)
+        tables = (self.table(layer, "qweight"), self.table(layer, "scales"), self.table(layer, "zeros"), self.group_size)
+        matmul = dequant_matmul if path_for(self.paths, x2.shape[0]) == "dequant" else int4_matmul
+        y = matmul(x2, *tables)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def precision(self, act: Precision, rows: int) -> Precision:
-        """Half a byte a weight, plus a scale and a zero point (activation dtype) per group of G."""
+        """Half a byte a weight, plus a scale and a zero point (activation dtype) per group of G; where
+        the batch takes the dequant path, also the 16-bit weight written and read back."""
         g = self.group_size
+        if path_for(self.paths, rows) == "dequant":
+            return Precision(f"int4-g{g}-dequant", 0.5 + 2 * act.bytes / g + 2 * act.bytes,
+                             compute=act.compute)
         return Precision(f"int4-g{g}", 0.5 + 2 * act.bytes / g, compute=act.compute)
