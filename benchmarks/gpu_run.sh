@@ -115,8 +115,8 @@ BASELINE=${BASELINE:-.baseline/5e4f924}
 KNOWN=tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,moe-fp8,moe-int4,tp-tests,tp,tp-comm,tp-scale,tp-scale-8b,case-70b
 # KERNEL_TESTS narrows the tests-kernels part (e.g. KERNEL_TESTS=tests/test_int4_kernels.py)
 KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_attention_kernels.py tests/test_fused_kernels_gpu.py tests/test_gemv.py
-              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_fp8_kernels.py
-              tests/test_fp8_producers.py tests/test_attention_fp8.py tests/test_rope_kv_fp8.py"}
+              tests/test_rope_kv_write.py tests/test_pdl.py tests/test_int4_kernels.py tests/test_int4_dequant.py
+              tests/test_fp8_kernels.py tests/test_fp8_producers.py tests/test_attention_fp8.py tests/test_rope_kv_fp8.py"}
 LOG=$OUT/run.log SUMMARY=$OUT/summary.txt TESTS=$OUT/tests.log
 : > "$SUMMARY"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }

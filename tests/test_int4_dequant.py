@@ -103,3 +103,18 @@ def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch)
     act = Precision("bf16", 2, compute="bf16")
     assert method.precision(act, MIN_ROWS + 36).bytes == pytest.approx(0.5 + 4 / 128 + 4)
     assert method.precision(act, 1).bytes == pytest.approx(0.5 + 4 / 128)    # a decode batch: the INT4 GEMV's
+
+
+@pytest.mark.gpu
+def test_gpu_dequant_at_the_8b_shapes_and_the_measured_table(tmp_path, monkeypatch):
+    """The compiled pass at the Llama-3-8B shapes (qkv, down) equals the reference bit for bit, and
+    the dispatch measures a table on this GPU (which path wins is BENCHMARKS.md's, not asserted)."""
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
+    for K, N in ((4096, 6144), (14336, 4096)):
+        qw, s, z = (t.cuda() for t in tables(K, N, 128, torch.bfloat16, seed=K))
+        assert torch.equal(int4_dequantize(qw, s, z, 128), dequantize_int4(qw, s, z, 128).to(torch.bfloat16))
+    paths = dispatch_table(qw, s, z, 128)
+    assert set(paths) == set(int4_dispatch.BUCKETS) and set(paths.values()) <= {"int4", "dequant"}
+    x = torch.randn(512, 14336, device="cuda").to(torch.bfloat16)
+    torch.testing.assert_close(int4_dispatch.dequant_matmul(x, qw, s, z, 128).float(),
+                               int4_matmul_ref(x, qw, s, z, 128).float(), atol=0.1, rtol=2e-2)
