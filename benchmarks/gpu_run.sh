@@ -325,6 +325,7 @@ part tp 300 580 "python3 benchmarks/tp.py decode --shapes llama3-8b llama3-70b $
 part case-70b 300 600 "R=\${ROUND:-0}; D=/tmp/case-70b/round-\$R; mkdir -p \$D; \
     [[ \" \${CASE_ARGS:-} \" == *' --serve-only '* ]] && cp -r docs/case-study-70b/round-\$R/. \$D/; python3 benchmarks/case_study_70b.py round --round \$R \
     --model /tmp/llama3-70b --out \$D --budget-s \$(( $(left) - 30 )) ${CASE_ARGS:-} 2>&1 | grep -v -i warn | tail -20; \
+    mkdir -p \$D/int4-dispatch; cp \${RIDGE_CACHE_DIR:-\$HOME/.cache/ridge}/int4/*.json \$D/int4-dispatch/ 2>/dev/null; \
     cp \$D/summary.json $OUT/case70b_round\${R}_summary.json; tar -czf $OUT/case70b_round\$R.tar.gz -C /tmp/case-70b round-\$R"
 part tp-comm 200 500 "python3 benchmarks/tp.py comm --shape ${TP_COMM_SHAPE:-llama3-8b} --tp 2 --json $OUT/tp_comm.json 2>&1 | grep -v -i warn \
     | tail -12; python3 benchmarks/tp.py ring --batches 1 256 --json $OUT/tp_ring.json 2>&1 | tail -8"
