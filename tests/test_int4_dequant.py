@@ -46,6 +46,8 @@ def test_dequantize_without_the_interpreter_and_its_errors(monkeypatch):
     assert torch.equal(int4_dequantize(qw, s, z, 32), dequantize_int4(qw, s, z, 32).to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be a contiguous \[64, 24\]"):
         int4_dequantize(qw, s, z, 32, out=torch.empty(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        int4_dequantize(qw, s, z, 32, out=torch.empty(64, 24, dtype=torch.float16))
     with pytest.raises(ValueError, match="multiple of 8"):
         int4_dequantize(qw, s, z, 12)
 
@@ -72,9 +74,21 @@ def test_dispatch_times_both_paths_per_bucket_keeps_the_faster_and_caches(tmp_pa
     assert path_for(None, 4096) == "int4" and path_for(paths, MIN_ROWS - 1) == "int4"
     assert path_for(paths, 1000) == "dequant" and path_for(paths, 100_000) == "dequant"
     assert path_for(paths, 300) == "int4"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert path_for(paths, 4096) == "int4"
+
+
+def test_a_dequant_path_that_runs_out_of_memory_is_recorded_and_not_chosen(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
+
+    def fake_time(fn, bound_us=float("inf")):          # the INT4 kernels time; the 16-bit weight does not fit
+        if bound_us != float("inf"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 896.00 MiB")
+        return 1.0
+    monkeypatch.setattr(int4_dispatch, "graph_time_us", fake_time)
+    qw, s, z = tables(64, 16, 32, torch.bfloat16)
+    paths = dispatch_table(qw, s, z, 32)
+    assert set(paths.values()) == {"int4"}
+    cached = next((tmp_path / "int4").iterdir()).read_text()
+    assert "OutOfMemoryError" in cached and "896.00 MiB" in cached
 
 
 def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch):

@@ -53,9 +53,9 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     dtype = scales.dtype
     if out is None:
         out = torch.empty((K, N), dtype=dtype, device=qweight.device)
-    elif out.shape != (K, N) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"int4_dequantize: out must be a contiguous [{K}, {N}] {dtype}, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    elif out.shape != (K, N) or out.dtype != dtype or not out.is_contiguous() or out.device != qweight.device:
+        raise ValueError(f"int4_dequantize: out must be a contiguous [{K}, {N}] {dtype} on {qweight.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if group_size % PACK:
         raise ValueError(f"int4_dequantize: group_size {group_size} must be a multiple of {PACK}")
     interpret = triton.knobs.runtime.interpret and not qweight.is_cuda

@@ -7,17 +7,20 @@ Two paths compute x @ W from ridge's INT4 tables:
 The second moves ~4.5 bytes a weight against 0.5 and runs the tensor cores near their roof where
 the INT4 GEMM reaches about half: a fixed cost that only a batch of enough rows repays, and where
 that batch starts depends on the GPU and the shape. So the engine times both at each bucket of
-fp8_dispatch.BUCKETS from 64 rows on (below, the 16-bit weight alone costs more than the whole
-INT4 GEMM), on the same random activations, replayed from CUDA graphs, and keeps the faster; a
-batch takes its bucket's choice (fp8_dispatch.bucket_of), and never "dequant" below 64 rows or while
-a CUDA graph is being captured (a decode graph keeps no weight-sized scratch). The table is cached
-per device (RIDGE_CACHE_DIR/int4), so only the first start on a GPU pays for the timing.
+fp8_dispatch.BUCKETS from 64 to 4,096 rows (below, the 16-bit weight alone costs more than the
+whole INT4 GEMM; above, the last bucket's choice holds), on the same random activations, replayed
+from CUDA graphs as decode and verify steps run, and keeps the faster (a path that fails, e.g. out
+of memory, is recorded and not chosen). A batch takes its bucket's choice, eagerly and in a CUDA
+graph alike (a graph that takes "dequant" keeps the 16-bit weight in the graphs' shared pool).
+The table is cached per device, torch and Triton version (RIDGE_CACHE_DIR/int4), so only the
+first start on a GPU pays for the timing; the timing's buffers go back to the device after it.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import triton
 
 from ridge.kernels.int4_dequant import int4_dequantize
 from ridge.kernels.int4_matmul import PACK, int4_matmul
@@ -26,9 +29,9 @@ from ridge.layers.quant.fp8_dispatch import bucket_of
 from ridge.utils.device_cache import cache_root, cached, device_key
 from ridge.utils.graph_timing import graph_time_us
 
-MIN_ROWS = 64
-BUCKETS = tuple(b for b in ALL_BUCKETS if b >= MIN_ROWS)
-VERSION = 1
+MIN_ROWS, MAX_ROWS = 64, 4096
+BUCKETS = tuple(b for b in ALL_BUCKETS if MIN_ROWS <= b <= MAX_ROWS)
+VERSION = 1                # bump when int4_gemm or int4_dequant change what they cost
 
 
 def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -45,10 +48,15 @@ def measure_shape(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     for m in BUCKETS:
         x = torch.randn(m, k, generator=gen, device=qweight.device).to(scales.dtype)
         us = {"int4": graph_time_us(lambda: int4_matmul(x, qweight, scales, zeros, group_size))}
-        us["dequant"] = graph_time_us(lambda: dequant_matmul(x, qweight, scales, zeros, group_size),
-                                      bound_us=us["int4"])
-        table[str(m)] = {"choice": min(us, key=us.get), "us": us}
+        errors = {}
+        try:
+            us["dequant"] = graph_time_us(lambda: dequant_matmul(x, qweight, scales, zeros, group_size),
+                                          bound_us=us["int4"])
+        except (torch.OutOfMemoryError, RuntimeError) as e:     # the 16-bit weight does not fit beside the model
+            errors["dequant"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
         del x
+    torch.cuda.empty_cache()              # the timing's buffers and graph pools, back before the KV pool is sized
     return table
 
 
@@ -57,14 +65,14 @@ def dispatch_table(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     """{bucket: path} for this layer's shape on its GPU, from the per-device cache or measured now."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     dtype = str(scales.dtype).removeprefix("torch.")
-    name = f"dispatch-{device_key(qweight.device)}-{n}x{k}-g{group_size}-{dtype}.json"
+    name = f"dispatch-{device_key(qweight.device)}-triton{triton.__version__}-{n}x{k}-g{group_size}-{dtype}.json"
     table = cached(os.path.join(cache_root(), "int4", name), VERSION,
                    lambda: measure_shape(qweight, scales, zeros, group_size))
     return {int(m): e["choice"] for m, e in table.items()}
 
 
 def path_for(paths: dict[int, str] | None, m: int) -> str:
-    """The path for a batch of m rows ("int4" with no table, below MIN_ROWS, or under graph capture)."""
-    if paths is None or m < MIN_ROWS or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    """The path for a batch of m rows ("int4" with no table or below MIN_ROWS)."""
+    if paths is None or m < MIN_ROWS:
         return "int4"
-    return paths.get(bucket_of(m), "int4")
+    return paths.get(min(bucket_of(m), MAX_ROWS), "int4")
