@@ -17,6 +17,8 @@ group size 128. Peers, on the same quantized weight:
   * tinygemm: torch.ops.aten._weight_int4pack_mm(x, packed, 128, scales_and_zeros), the weight
     converted by _convert_weight_to_int4pack(uint8 [N, K / 2], inner_k_tiles=8) and the zero
     point written its way, w = (q - 8) s + (8 - z) s. "unavailable" where the op is missing.
+  * dequant (M >= 64): the engine's other INT4 path, int4_dispatch.dequant_matmul: the weight written
+    in bf16 by ridge/kernels/int4_dequant.py, then cuBLAS (x deq = dequant time / ridge time).
 Correctness first: every peer's output on the first input set against an fp32 reference of the
 same dequantized weight (err = max |y - ref| / max |ref|); a ridge result over 1e-2 is reported
 WRONG and not timed.
@@ -107,6 +109,7 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
     import torch.nn.functional as F
 
     from ridge.kernels.int4_matmul import dequantize_int4, int4_matmul
+    from ridge.layers.quant.int4_dispatch import MIN_ROWS, dequant_matmul
     N, K, M = c["N"], c["K"], c["M"]
     res = {**c, "int4_bytes": int4_bytes(c), "bf16_bytes": bf16_bytes(c)}
     n_i4 = copies_for(int4_bytes(c), l2)
@@ -142,6 +145,10 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
         res["tinygemm_err"] = None
         res["tinygemm_unavailable"] = short_error(e)
         print(f"  tinygemm unavailable ({res['tinygemm_unavailable']})", flush=True)
+    if M >= MIN_ROWS:     # the engine's other INT4 path at these rows: the weight dequantized, then cuBLAS
+        res["dequant_err"] = rel_err(dequant_matmul(xs[0], qw, s, z, GROUP), ref)
+        peers["dequant"] = ([(lambda i=i: dequant_matmul(xs[i], *ridge_sets[i % n_i4], GROUP)) for i in range(calls)],
+                            n_i4)
     del ref
     for name, (fns, sets) in peers.items():
         t = try_time(name, lambda fns=fns, sets=sets: time_calls(fns, sets=sets, reps=args.reps))
@@ -154,6 +161,7 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
     r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")
     res["x_bf16"] = b_us / r_us if r_us and b_us else None
     res["x_tinygemm"] = t_us / r_us if r_us and t_us else None
+    res["x_dequant"] = res["dequant_us"] / r_us if r_us and res.get("dequant_us") else None
     res["ridge_frac"] = int4_bytes(c) / (r_us * 1e-6) / 1e9 / copy_gbps if r_us else None
     res["bf16_frac"] = bf16_bytes(c) / (b_us * 1e-6) / 1e9 / copy_gbps if b_us else None
     res["ridge_tflops"] = 2 * M * N * K / (r_us * 1e-6) / 1e12 if r_us else None
@@ -310,13 +318,14 @@ def main(argv=None) -> None:
           f"seed {seed}, {result['wall_s']:.0f} s")
     print("CUDA-graph medians (us); x bf16 / x tiny = peer time / ridge time; frac = INT4 bytes / time / copy bw; "
           "err = max|y - ref| / max|ref| vs fp32")
-    print(f"{'model':<10} {'proj':<8}{'M':>4} {'ridge':>8} {'bf16':>8} {'tiny':>8} {'x bf16':>7} {'x tiny':>7} "
-          f"{'frac':>5} {'TF/s':>6} {'err':>8}")
+    print(f"{'model':<10} {'proj':<8}{'M':>4} {'ridge':>8} {'bf16':>8} {'tiny':>8} {'dequant':>8} {'x bf16':>7} "
+          f"{'x tiny':>7} {'x deq':>6} {'frac':>5} {'TF/s':>6} {'err':>8}")
     for r in result["rows"]:
         print(f"{r['model']:<10} {r['proj']:<8}{r['M']:>4} {fmt(r.get('ridge_us'), '.1f'):>8} "
               f"{fmt(r.get('bf16_us'), '.1f'):>8} "
               f"{'unavail' if r.get('tinygemm_unavailable') else fmt(r.get('tinygemm_us'), '.1f'):>8} "
-              f"{fmt(r['x_bf16'], '.2f'):>7} {fmt(r['x_tinygemm'], '.2f'):>7} {fmt(r['ridge_frac'], '.2f'):>5} "
+              f"{fmt(r.get('dequant_us'), '.1f'):>8} {fmt(r['x_bf16'], '.2f'):>7} {fmt(r['x_tinygemm'], '.2f'):>7} "
+              f"{fmt(r['x_dequant'], '.2f'):>6} {fmt(r['ridge_frac'], '.2f'):>5} "
               f"{fmt(r['ridge_tflops'], '.0f'):>6} {r['ridge_err']:>8.1e}" + ("  WRONG" if r["ridge_err"] > WRONG else ""))
     sweeps = [r for r in result["rows"] if r.get("split_sweep")]
     if sweeps:
