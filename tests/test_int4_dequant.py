@@ -108,7 +108,8 @@ def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch)
     x = torch.randn(MIN_ROWS + 36, 256).to(torch.bfloat16)
     assert method.paths is None                                  # on the CPU: no table, the INT4 path
     y_int4 = layer(x)
-    method.paths = {m: "dequant" for m in int4_dispatch.BUCKETS}
+    method.set_paths(layer, {m: "dequant" for m in int4_dispatch.BUCKETS})
+    assert method.workspace.buffer.numel() >= 256 * 96
     assert not calls and layer(x[:MIN_ROWS - 1]) is not None and not calls     # skinny: the INT4 kernels still
     y = layer(x)
     assert calls == [MIN_ROWS + 36]
@@ -117,6 +118,24 @@ def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch)
     act = Precision("bf16", 2, compute="bf16")
     assert method.precision(act, MIN_ROWS + 36).bytes == pytest.approx(0.5 + 4 / 128 + 4)
     assert method.precision(act, 1).bytes == pytest.approx(0.5 + 4 / 128)    # a decode batch: the INT4 GEMV's
+
+
+def test_the_dequant_workspace_is_one_buffer_the_largest_layer_long():
+    """Layers of one device and dtype share one 16-bit weight, grown to the largest while loading; a
+    growth after a CUDA graph captured it is an error (the graph would write into freed memory); it
+    goes when its last layer does."""
+    from ridge.layers.quant.int4_dispatch import DequantWorkspace
+    small = DequantWorkspace.shared(torch.device("cpu"), torch.float16, 64 * 32)
+    large = DequantWorkspace.shared(torch.device("cpu"), torch.float16, 128 * 64)
+    assert small is large and large.buffer.numel() == 128 * 64
+    assert large.weight(64, 32).shape == (64, 32) and large.weight(64, 32).data_ptr() == large.buffer.data_ptr()
+    assert DequantWorkspace.shared(torch.device("cpu"), torch.bfloat16, 8) is not large     # another dtype
+    large.captured = True
+    assert DequantWorkspace.shared(torch.device("cpu"), torch.float16, 128 * 64) is large   # no growth: fine
+    with pytest.raises(RuntimeError, match="captured"):
+        DequantWorkspace.shared(torch.device("cpu"), torch.float16, 128 * 65)
+    del small, large
+    assert DequantWorkspace.shared(torch.device("cpu"), torch.float16, 8).buffer.numel() == 8   # a new one
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ from ridge.kernels.int4_matmul import PACK, group_size_error, groups_of, int4_ma
 from ridge.layers.cost import Precision
 from ridge.layers.quant import formats
 from ridge.layers.quant.fp8_linear import Fp8Config
-from ridge.layers.quant.int4_dispatch import dequant_matmul, dispatch_table, path_for
+from ridge.layers.quant.int4_dispatch import DequantWorkspace, dequant_matmul, dispatch_table, path_for
 from ridge.layers.weights import set_weight_loader
 
 FORMATS = ("awq", "gptq", "compressed-tensors")
@@ -236,6 +236,7 @@ class Int4Linear:
                 self.names[role] = role
         layer.register_buffer("perm", None)       # act-order: the input permutation (finish_loading)
         self.paths: dict[int, str] | None = None    # batch bucket -> "int4" / "dequant" (int4_dispatch)
+        self.workspace: DequantWorkspace | None = None      # the dequant path's 16-bit weight
 
     def table(self, layer, role: str) -> torch.Tensor:
         return getattr(layer, self.names[role])
@@ -306,8 +307,16 @@ class Int4Linear:
     def choose_paths(self, layer) -> None:
         qweight = self.table(layer, "qweight")
         if qweight.is_cuda:
-            self.paths = dispatch_table(qweight, self.table(layer, "scales"), self.table(layer, "zeros"),
-                                        self.group_size)
+            self.set_paths(layer, dispatch_table(qweight, self.table(layer, "scales"), self.table(layer, "zeros"),
+                                                 self.group_size))
+
+    def set_paths(self, layer, paths: dict[int, str]) -> None:
+        """Take `paths`; where one is "dequant", the shared 16-bit weight holds this layer's."""
+        self.paths = paths
+        self.workspace = None
+        if "dequant" in paths.values():
+            scales, weights = self.table(layer, "scales"), self.table(layer, "qweight").numel() * PACK
+            self.workspace = DequantWorkspace.shared(scales.device, scales.dtype, weights)
 
     def sort_act_order(self, layer) -> None:
         """Act-order (GPTQ desc_act, compressed-tensors actorder group): sort the input rows by group so
@@ -359,8 +368,11 @@ class Int4Linear:
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
         tables = (self.table(layer, "qweight"), self.table(layer, "scales"), self.table(layer, "zeros"), self.group_size)
-        matmul = dequant_matmul if path_for(self.paths, x2.shape[0]) == "dequant" else int4_matmul
-        y = matmul(x2, *tables)
+        if path_for(self.paths, x2.shape[0]) == "dequant":
+            qweight = tables[0]
+            y = dequant_matmul(x2, *tables, self.workspace.weight(qweight.shape[0] * PACK, qweight.shape[1]))
+        else:
+            y = int4_matmul(x2, *tables)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -11,13 +11,16 @@ fp8_dispatch.BUCKETS from 64 to 4,096 rows (below, the 16-bit weight alone costs
 whole INT4 GEMM; above, the last bucket's choice holds), on the same random activations, replayed
 from CUDA graphs as decode and verify steps run, and keeps the faster (a path that fails, e.g. out
 of memory, is recorded and not chosen). A batch takes its bucket's choice, eagerly and in a CUDA
-graph alike (a graph that takes "dequant" keeps the 16-bit weight in the graphs' shared pool).
+graph alike. The 16-bit weight goes to one DequantWorkspace a device, allocated while the model loads
+(so the KV pool, sized from what loading leaves, leaves room for it) and written by every layer in
+turn: a transient weight per call would have to fit in whatever the KV pool left over.
 The table is cached per device, torch and Triton version (RIDGE_CACHE_DIR/int4), so only the
 first start on a GPU pays for the timing; the timing's buffers go back to the device after it.
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -35,9 +38,45 @@ VERSION = 1                # bump when int4_gemm or int4_dequant change what the
 
 
 def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   group_size: int) -> torch.Tensor:
-    """x [M, K] @ W by the "dequant" path: W in x's dtype (a transient [K, N]), then cuBLAS."""
-    return x @ int4_dequantize(qweight, scales, zeros, group_size)
+                   group_size: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W by the "dequant" path: W in x's dtype (into `weight` [K, N], or a new tensor), then cuBLAS."""
+    return x @ int4_dequantize(qweight, scales, zeros, group_size, weight)
+
+
+class DequantWorkspace:
+    """The dequant path's 16-bit weight: one buffer a device and dtype, as large as the largest layer
+    that takes the path, shared by all of them (their GEMMs run one after another on one stream). The
+    layers hold it; it lives as long as one of them does. It grows only while models load: a CUDA graph
+    that captured the buffer would write into freed memory after a growth, so that is an error."""
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.captured = False
+
+    @classmethod
+    def shared(cls, device: torch.device, dtype: torch.dtype, numel: int) -> DequantWorkspace:
+        """The workspace of (device, dtype), holding at least numel weights."""
+        key = (str(device), dtype)
+        ws = cls._live.get(key)
+        if ws is None:
+            ws = cls._live[key] = cls()
+        ws.reserve(numel, device, dtype)
+        return ws
+
+    def reserve(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
+        if self.buffer is not None and self.buffer.numel() >= numel:
+            return
+        if self.captured:
+            raise RuntimeError(f"INT4 dequant workspace: a layer of {numel} weights loaded after a CUDA graph "
+                               f"captured the {self.buffer.numel()}-weight buffer; load every model first")
+        self.buffer = None                                      # the smaller one goes back first
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+
+    def weight(self, k: int, n: int) -> torch.Tensor:
+        """The buffer as a [k, n] weight."""
+        self.captured |= self.buffer.is_cuda and torch.cuda.is_current_stream_capturing()
+        return self.buffer[:k * n].view(k, n)
 
 
 def measure_shape(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict:
