@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from ridge.kernels import int4_dequant  # noqa: E402
 from ridge.kernels.int4_dequant import int4_dequantize  # noqa: E402
 from ridge.kernels.int4_matmul import dequantize_int4, groups_of, int4_matmul_ref  # noqa: E402
 from ridge.layers.quant import int4_dispatch  # noqa: E402
@@ -42,7 +41,7 @@ def test_dequantize_is_the_references_weight_bit_for_bit(K, N, G, dtype):
 
 def test_dequantize_without_the_interpreter_and_its_errors(monkeypatch):
     qw, s, z = tables(64, 24, 32, torch.bfloat16)
-    monkeypatch.setattr(int4_dequant.triton.knobs.runtime, "interpret", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # the knob reads it per call (setting the knob would pin it)
     assert torch.equal(int4_dequantize(qw, s, z, 32), dequantize_int4(qw, s, z, 32).to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be a contiguous \[64, 24\]"):
         int4_dequantize(qw, s, z, 32, out=torch.empty(24, 64, dtype=torch.bfloat16))
@@ -92,7 +91,7 @@ def test_a_dequant_path_that_runs_out_of_memory_is_recorded_and_not_chosen(tmp_p
 
 
 def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch):
-    from ridge.layers.cost import Precision
+    from ridge.layers.cost import Precision, StepShape
     from ridge.layers.linear import Linear
     from ridge.layers.quant import int4
     from ridge.layers.quant.int4 import Int4Config
@@ -116,8 +115,18 @@ def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch)
     torch.testing.assert_close(y.float(), int4_matmul_ref(x, qw, s, z, 128).float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y.float(), y_int4.float(), atol=2e-2, rtol=2e-2)
     act = Precision("bf16", 2, compute="bf16")
-    assert method.precision(act, MIN_ROWS + 36).bytes == pytest.approx(0.5 + 4 / 128 + 4)
+    assert method.precision(act, MIN_ROWS + 36).bytes == 2                     # the GEMM reads the 16-bit weight
     assert method.precision(act, 1).bytes == pytest.approx(0.5 + 4 / 128)    # a decode batch: the INT4 GEMV's
+    # the cost: the dequant pass (tables in, 16-bit weight out) as its own op before the GEMM, whose
+    # weight is that pass's output rather than a parameter; a decode step: one GEMM on the tables
+    rows, w = MIN_ROWS + 36, 256 * 96
+    dequant, gemm = layer.cost(StepShape((rows,), (rows,)))
+    assert (dequant.name, gemm.kind) == ("int4_dequant", "gemm") and dequant.flops == 2 * w
+    tables = w * (0.5 + 4 / 128)
+    assert dequant.bytes == pytest.approx(tables + 2 * w) and dequant.param_bytes == pytest.approx(tables)
+    assert gemm.param_bytes == 0 and gemm.bytes == pytest.approx(w * 2 + rows * (256 + 96) * 2)
+    (decode,) = layer.cost(StepShape((1,), (9,)))
+    assert decode.param_bytes == pytest.approx(tables)
 
 
 def test_the_dequant_workspace_is_one_buffer_the_largest_layer_long():

@@ -189,7 +189,8 @@ class Linear(nn.Module):
     def cost(self, step: StepShape, rows: int | None = None, out_bytes: float | None = None,
              name: str = "linear") -> list[OpCost]:
         """One GEMM over `rows` (default: every token of the step), `out_bytes` an output element;
-        the input activation's ops first (they run inside this forward, or inside the GEMV). An FP8
+        the input activation's ops first (they run inside this forward, or inside the GEMV), then a
+        pass the quantization method runs on the weight first (INT4's dequant path). An FP8
         GEMM reads FP8_ACT; the quantization pass before it is its own op unless the producer
         fused it (then the producer writes FP8_ACT instead of the activation dtype). Row-parallel:
         the all-reduce of the partial sums after it."""
@@ -199,8 +200,13 @@ class Linear(nn.Module):
         ops = self.input_act.cost(step, self.in_features, fp8_out=fed) if self.input_act is not None else []
         if fp8_in and not fed:
             ops.append(act_quant_cost(rows, self.in_features, step))
-        return ops + [gemm_cost(name, rows, (self.out_features, self.in_features), self.bias,
-                                self.weight_precision(step, rows), step, out_bytes,
-                                in_bytes=FP8_ACT.bytes if fp8_in else None)] \
+        w = self.weight_precision(step, rows)
+        gemm = gemm_cost(name, rows, (self.out_features, self.in_features), self.bias, w, step, out_bytes,
+                         in_bytes=FP8_ACT.bytes if fp8_in else None)
+        weight_pass = getattr(self.quant_method, "weight_pass", None)
+        if weight_pass is not None and step.weights is None and (before := weight_pass(self, step, rows)):
+            ops += before                       # it writes the weight the GEMM reads: not a parameter there
+            gemm.param_bytes -= self.out_features * self.in_features * w.bytes
+        return ops + [gemm] \
             + (all_reduce_cost(f"{name}.all_reduce", rows, self.out_features, step, self.tp.size)
                if self.parallel == "row" else [])

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ridge.kernels.int4_matmul import PACK, group_size_error, groups_of, int4_matmul, pack_int4, unpack_int4
-from ridge.layers.cost import Precision
+from ridge.layers.cost import OpCost, Precision, StepShape
 from ridge.layers.quant import formats
 from ridge.layers.quant.fp8_linear import Fp8Config
 from ridge.layers.quant.int4_dispatch import DequantWorkspace, dequant_matmul, dispatch_table, path_for
@@ -379,9 +379,19 @@ class Int4Linear:
 
     def precision(self, act: Precision, rows: int) -> Precision:
         """Half a byte a weight, plus a scale and a zero point (activation dtype) per group of G; where
-        the batch takes the dequant path, also the 16-bit weight written and read back."""
+        the batch takes the dequant path, the 16-bit weight that weight_pass wrote."""
         g = self.group_size
         if path_for(self.paths, rows) == "dequant":
-            return Precision(f"int4-g{g}-dequant", 0.5 + 2 * act.bytes / g + 2 * act.bytes,
-                             compute=act.compute)
+            return Precision(f"int4-g{g}-dequant", act.bytes, compute=act.compute)
         return Precision(f"int4-g{g}", 0.5 + 2 * act.bytes / g, compute=act.compute)
+
+    def weight_pass(self, layer, step: StepShape, rows: int) -> list[OpCost]:
+        """The dequant path's kernel before its GEMM (none on the INT4 path): reads the INT4 tables,
+        writes the 16-bit weight, (q - z) s: 2 FLOPs a weight. It runs before the GEMM, not under it,
+        so at the roofline its memory time adds to the GEMM's compute time."""
+        if path_for(self.paths, rows) != "dequant":
+            return []
+        weights, a = layer.in_features * layer.out_features, step.act.bytes
+        tables = weights * (0.5 + 2 * a / self.group_size)
+        return [OpCost("int4_dequant", "elementwise", 2 * weights, tables + weights * a, tables,
+                       compute=step.act.compute)]
