@@ -43,9 +43,10 @@ def serve_token_budget(out: str, L: dict) -> tuple[int, str]:
                                        "runs' budget); p99 ITL then holds only while < 1% of a request's gaps carry one")
 
 
-def start_server(flags: list[str], log_path: str, timeout_s: float):
-    """`ridge serve` with the round's engine flags, once it listens and its engine is ready."""
-    cmd = [sys.executable, "-m", "ridge", "serve", *flags, "--port", "0", "--log-level", "info"]
+def start_server(flags: list[str], log_path: str, timeout_s: float, port: int = 0):
+    """`ridge serve` with these flags (on `port`; 0: any free one), once it listens and its engine is
+    ready: (the process, its URL). Also benchmarks/serve_load.py's server."""
+    cmd = [sys.executable, "-m", "ridge", "serve", *flags, "--port", str(port), "--log-level", "info"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))

@@ -29,6 +29,9 @@ import time
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from case_study_serve import start_server  # noqa: E402  (beside this file)
+
 ATTACK_PROMPT = "x " * 2_096_152
 
 
@@ -168,27 +171,6 @@ def _pct(values: list[float], p: float) -> float | None:
     return values[min(len(values) - 1, int(len(values) * p / 100))] if values else None
 
 
-def _serve(args) -> tuple[subprocess.Popen, str]:
-    port = args.port
-    cmd = [sys.executable, "-m", "ridge.cli", "serve", "--port", str(port), "--max-num-seqs", str(args.streams),
-           *args.engine_args]
-    log = open(args.serve_log, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with open(args.serve_log) as f:
-                tail = f.read()[-3000:]
-            raise SystemExit(f"ridge serve did not start: {' '.join(cmd)}\n{tail}")
-        time.sleep(0.2)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start ridge serve on the demo model)")
@@ -206,7 +188,8 @@ def main() -> int:
     if args.attack:
         attacker_main(*args.attack)
         return 0
-    proc, url = (None, args.url) if args.url else _serve(args)
+    proc, url = (None, args.url) if args.url else start_server(["--max-num-seqs", str(args.streams), *args.engine_args],
+                                                                args.serve_log, 600, port=args.port)
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         key = os.environ.get("RIDGE_API_KEY")
