@@ -24,8 +24,8 @@ share, so its last group may be short.
 Weight bytes: 0.5 per weight, plus a scale and a zero point in the activation dtype per group of
 G inputs: 0.5 + 4 / 128 bytes at G = 128 in bf16, 3.8x fewer than bf16 (the cost model counts it).
 A batch whose bucket measured faster with the weight dequantized to 16 bits and cuBLAS takes that
-path (ridge/layers/quant/int4_dispatch.py; a prefill's large batches), and its cost counts the
-16-bit weight written and read back as well.
+path (ridge/layers/quant/int4_dispatch.py; a prefill's large batches); its cost is then the
+dequant pass (weight_pass) and a GEMM reading the 16-bit weight.
 """
 from __future__ import annotations
 
