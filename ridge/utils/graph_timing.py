@@ -1,10 +1,15 @@
-"""Timing a GPU function the way a decode step runs it: replayed from a CUDA graph (the FP8 GEMM
-dispatch and the MoE kernel plans use it to choose between paths)."""
+"""Timing a GPU function the way a decode step runs it: replayed from a CUDA graph (the FP8 and INT4
+GEMM dispatches and the MoE kernel plans use it to choose between paths)."""
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def error_line(e: BaseException) -> str:
+    """How a dispatch table records a path that failed to time: the error's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def _eager_us(fn) -> float:

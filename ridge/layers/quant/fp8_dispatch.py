@@ -30,7 +30,7 @@ from ridge.kernels.fp8_gemm import cublas_fp8_gemm, fp8_gemm, quantize_act_fp8
 from ridge.kernels.gemv import gemv
 from ridge.layers.linear import uses_gemv
 from ridge.utils.device_cache import cache_root, cached, device_key
-from ridge.utils.graph_timing import graph_time_us
+from ridge.utils.graph_timing import error_line, graph_time_us
 
 BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_gemm.py found fastest somewhere
@@ -91,7 +91,7 @@ def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool
             try:
                 us[p] = graph_time_us(fn)
             except Exception as e:  # noqa: BLE001  a path this torch / GPU lacks, or a config out of resources
-                errors[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                errors[p] = error_line(e)
         table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
     return table
 

@@ -30,7 +30,7 @@ from ridge.kernels.int4_matmul import PACK, int4_matmul
 from ridge.layers.quant.fp8_dispatch import BUCKETS as ALL_BUCKETS
 from ridge.layers.quant.fp8_dispatch import bucket_of
 from ridge.utils.device_cache import cache_root, cached, device_key
-from ridge.utils.graph_timing import graph_time_us
+from ridge.utils.graph_timing import error_line, graph_time_us
 
 MIN_ROWS, MAX_ROWS = 64, 4096
 BUCKETS = tuple(b for b in ALL_BUCKETS if MIN_ROWS <= b <= MAX_ROWS)
@@ -92,7 +92,7 @@ def measure_shape(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
             us["dequant"] = graph_time_us(lambda: dequant_matmul(x, qweight, scales, zeros, group_size),
                                           bound_us=us["int4"])
         except (torch.OutOfMemoryError, RuntimeError) as e:     # the 16-bit weight does not fit beside the model
-            errors["dequant"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            errors["dequant"] = error_line(e)
         table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
         del x
     torch.cuda.empty_cache()              # the timing's buffers and graph pools, back before the KV pool is sized
