@@ -1,7 +1,8 @@
 """The INT4 dequant path (ridge/kernels/int4_dequant.py, ridge/layers/quant/int4_dispatch.py): the
 16-bit weight the Triton pass writes is the reference's, bit for bit (TRITON_INTERPRET=1 on the CPU);
 the dispatch times both paths per bucket and keeps the faster, cached; an INT4 Linear takes the
-dequant path only where its table says so, and its cost then counts the 16-bit weight."""
+dequant path only where its table says so, and its cost then states the dequant pass before
+the GEMM; the shared 16-bit weight buffer."""
 from __future__ import annotations
 
 import os
@@ -69,7 +70,7 @@ def test_dispatch_times_both_paths_per_bucket_keeps_the_faster_and_caches(tmp_pa
     assert len(list((tmp_path / "int4").iterdir())) == 1
     timed.clear()
     assert dispatch_table(qw, s, z, 32) == paths and not timed              # the second start reads the cache
-    # where a batch goes: no table, a skinny batch and a graph capture keep the INT4 kernels
+    # where a batch goes: no table and a skinny batch keep the INT4 kernels; past the last bucket, its choice
     assert path_for(None, 4096) == "int4" and path_for(paths, MIN_ROWS - 1) == "int4"
     assert path_for(paths, 1000) == "dequant" and path_for(paths, 100_000) == "dequant"
     assert path_for(paths, 300) == "int4"
