@@ -1,7 +1,7 @@
 """Engine ready time: process start to an engine that can serve (weights in place, CUDA graphs
 captured), on a model shape with `--load-format dummy` weights (no checkpoint read or written).
 
-    python benchmarks/engine_ready.py [--model DIR] [--preset llama3-8b] [--runs 2] [--json PATH]
+    python benchmarks/engine/engine_ready.py [--model DIR] [--preset llama3-8b] [--runs 2] [--json PATH]
     (JSON defaults to $OUT/engine_ready.json when OUT is set)
 
 The model directory holds only config and tokenizer (`python -m ridge.utils.random_checkpoint DIR
@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import json_option, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import json_option, write_json  # noqa: E402
 
 T_PROCESS = time.time()      # a child's own start, as early as the module allows
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     if a.child:
         child(a)
         return 0
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not os.path.isfile(os.path.join(a.model, "config.json")):

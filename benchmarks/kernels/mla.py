@@ -14,7 +14,7 @@ latents laid out contiguously (no pages; q [B, H, 1, r + rope], K [B, 1, L, r + 
 Prefill (--prefill-lens): one prompt in the expanded form, ridge's whole path (gather, expansion
 GEMM, Triton kernel) against the same expansion followed by causal SDPA.
 
-    python benchmarks/mla.py --json mla_decode.json
+    python benchmarks/kernels/mla.py --json mla_decode.json
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import time_calls, try_time  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import time_calls, try_time  # noqa: E402
 
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
 
@@ -148,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/mla.py needs a CUDA GPU (the kernel's CPU check: tests/test_mla.py, TRITON_INTERPRET=1)")
+        sys.exit("benchmarks/kernels/mla.py needs a CUDA GPU (the kernel's CPU check: tests/test_mla.py, TRITON_INTERPRET=1)")
     from ridge.utils.ceilings import load_ceilings
     ceil = load_ceilings("cuda")
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))

@@ -1,6 +1,6 @@
 """GPU benchmark of ridge's fused elementwise/norm kernels against their torch references.
 
-    python benchmarks/fused_kernels.py [--json PATH] [--tokens 1 64 4096] [--only NAME ...] [--compile]
+    python benchmarks/kernels/fused_kernels.py [--json PATH] [--tokens 1 64 4096] [--only NAME ...] [--compile]
 
 (JSON defaults to $OUT/fused_kernels.json when OUT is set.) Llama-3-8B shapes, bf16: hidden
 4096, intermediate 14336, 32 q / 8 kv heads, head_dim 128. Cases, each at T tokens:
@@ -29,9 +29,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (copy_bandwidth_gbps, json_option, parse_positive, record_bandwidth, replay_options,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import (copy_bandwidth_gbps, json_option, parse_positive, record_bandwidth, replay_options,  # noqa: E402
                     rotating_sets, time_rotating, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
@@ -158,7 +157,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/fused_kernels.py needs a CUDA GPU (the kernels' CPU checks are "
+        sys.exit("benchmarks/kernels/fused_kernels.py needs a CUDA GPU (the kernels' CPU checks are "
                  "tests/test_fused_kernels.py under TRITON_INTERPRET=1)")
     import triton
 

@@ -1,8 +1,8 @@
 """Serving under hostile load: concurrent streams, a third of them cancelled mid-stream, with and
 without a large-prompt attack beside them (issue 14's acceptance).
 
-    python benchmarks/serve_load.py --json out.json            # starts `ridge serve` on the demo model
-    python benchmarks/serve_load.py --url http://127.0.0.1:8000  # or loads a server already running
+    python benchmarks/serving/serve_load.py --json out.json            # starts `ridge serve` on the demo model
+    python benchmarks/serving/serve_load.py --url http://127.0.0.1:8000  # or loads a server already running
 
 Each run starts --streams greedy /v1/completions streams (ignore_eos, --max-tokens each) over raw
 HTTP and reads every server-sent event; every third stream is closed by the client after a few
@@ -29,8 +29,8 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from case_study_serve import start_server  # noqa: E402  (beside this file)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.case_study.case_study_serve import start_server  # noqa: E402
 
 ATTACK_PROMPT = "x " * 2_096_152
 

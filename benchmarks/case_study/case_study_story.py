@@ -1,6 +1,6 @@
 """The story of issue 21's case study: the figures table in docs/case-study-70b.md and the plot across
-rounds (docs/case-study-70b/rounds.png), from each round's summary.json (benchmarks/case_study_70b.py
-writes them; `python benchmarks/case_study_70b.py story` calls this). A round without a summary is
+rounds (docs/case-study-70b/rounds.png), from each round's summary.json (benchmarks/case_study/case_study_70b.py
+writes them; `python benchmarks/case_study/case_study_70b.py story` calls this). A round without a summary is
 shown as not yet measured; no figure comes from anywhere else."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from case_study_70b import ROUNDS, TARGETS, fmt  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.case_study.case_study_70b import ROUNDS, TARGETS, fmt  # noqa: E402
 
-BEGIN, END = "<!-- figures:begin (benchmarks/case_study_70b.py story) -->", "<!-- figures:end -->"
+BEGIN, END = "<!-- figures:begin (benchmarks/case_study/case_study_70b.py story) -->", "<!-- figures:end -->"
 
 
 def story_table(found: dict) -> str:
@@ -101,8 +101,8 @@ SKELETON = f"""# The 70B case study on one GPU (issue 21)
 A Llama-3-70B shape (80 layers, hidden 8192, 64 query / 8 KV heads, intermediate 28672, vocab 128256,
 `--load-format dummy`) on one GPU, round by round: measure, let `ridge roofline` name the bottleneck,
 pull the lever, re-measure. Round N's files (roofline report, `ridge bench latency` / `serve` JSON,
-summary.json) are in `case-study-70b/round-N/`, from `python benchmarks/case_study_70b.py round --round N`
-(`PARTS=case-70b ROUND=N bash benchmarks/gpu_run.sh`); the table below from `... story`.
+summary.json) are in `case-study-70b/round-N/`, from `python benchmarks/case_study/case_study_70b.py round --round N`
+(`python3 benchmarks/run.py case-70b --round N`); the table below from `... story`.
 
 ## Figures
 

@@ -9,18 +9,18 @@
           are and again with every collective replaced by a local no-op of the same shape (the
           same kernels, no communication). The difference is the exposed communication time of a
           step; divided by the layers, a layer's (its two all-reduces); over the step, the share.
-  scale   issue 22's scaling table (benchmarks/tp_scale.py): per TP size TTFT of a 4,096-token prompt,
+  scale   issue 22's scaling table (benchmarks/engine/tp_scale.py): per TP size TTFT of a 4,096-token prompt,
           batch-1 ITL and tok/s, batch-64 tok/s, the exposed communication a step (comm), beside each
           the roofline's prediction at that TP (the link measured among N GPUs), and the scaling
           efficiency from TP = 1 (8B) or TP = 2 (70B); --budget-s skips a size that would not fit.
   ring    a decode step's plan (ridge/runner/step_message.py's layout, batch B at a context of
           --context tokens) handed to a second process through the shared-memory step ring
-          against a gloo broadcast of the same bytes (benchmarks/step_ring.py's round trips).
+          against a gloo broadcast of the same bytes (benchmarks/engine/step_ring.py's round trips).
 
-    python benchmarks/tp.py decode --shapes llama3-8b llama3-70b --tp 1 2 --batches 1 64 --json tp_decode.json
-    python benchmarks/tp.py comm --shape llama3-8b --tp 2 --batches 1 64 --json tp_comm.json
-    python benchmarks/tp.py ring --batches 1 256 --json tp_ring.json
-    python benchmarks/tp.py scale --shapes llama3-70b --tp 4 8 --budget-s 520 --json tp_scale.json
+    python benchmarks/engine/tp.py decode --shapes llama3-8b llama3-70b --tp 1 2 --batches 1 64 --json tp_decode.json
+    python benchmarks/engine/tp.py comm --shape llama3-8b --tp 2 --batches 1 64 --json tp_comm.json
+    python benchmarks/engine/tp.py ring --batches 1 256 --json tp_ring.json
+    python benchmarks/engine/tp.py scale --shapes llama3-70b --tp 4 8 --budget-s 520 --json tp_scale.json
 
 NVLink multicast (NCCL's NVLS) stays off: NCCL_NVLS_ENABLE=0 is set for this process and its
 children unless the environment says otherwise.
@@ -41,10 +41,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
-import tp_scale  # noqa: E402
+from ridge.utils.graph_timing import elapsed_ms  # noqa: E402
+from benchmarks.engine import tp_scale  # noqa: E402
 
 
 def shape_dir(preset: str) -> str:
@@ -172,13 +172,7 @@ def _comm_rank(rank: int, size: int, port: int, path: str, batches: list[int], r
             times = []
             for _ in range(reps):
                 dist.barrier(group=tp.host_group)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 10 / 1e3)
+                times.append(elapsed_ms(lambda: [graph.replay() for _ in range(10)]) / 10 / 1e3)
             result[(label, b)] = statistics.median(times)
     if rank == 0:
         out.put({f"{k[0]}:{k[1]}": v for k, v in result.items()})
@@ -229,7 +223,7 @@ def comm_table(r: dict) -> str:
 def ring(a) -> dict:
     from ridge.runner.cuda_graphs import DecodeInputs
     from ridge.runner.step_message import DECODE, StepPlan, encode_plan
-    from step_ring import broadcast_round_trips, ring_round_trips
+    from benchmarks.engine.step_ring import broadcast_round_trips, ring_round_trips
 
     rng = np.random.default_rng(0)
     pages = -(-a.context // 16)

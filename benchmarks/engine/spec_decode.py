@@ -11,9 +11,9 @@
           draft is accepted with probability alpha; tokens/s against plain decoding per alpha, k
           and batch, beside seed 002's model (1 - alpha^(k+1)) / (1 - alpha). Adaptation stays on.
 
-    python benchmarks/spec_decode.py demo --json spec_demo.json
-    python benchmarks/spec_decode.py verify --model /tmp/8b-config --load-format dummy --json spec_verify.json
-    python benchmarks/spec_decode.py oracle --model /tmp/8b-config --load-format dummy --json spec_oracle.json
+    python benchmarks/engine/spec_decode.py demo --json spec_demo.json
+    python benchmarks/engine/spec_decode.py verify --model /tmp/8b-config --load-format dummy --json spec_verify.json
+    python benchmarks/engine/spec_decode.py oracle --model /tmp/8b-config --load-format dummy --json spec_oracle.json
 
 Timings: wall time per generate call (demo, oracle) after a warm-up call; medians of CUDA-event
 times after warm-up (verify). Prompts are drawn fresh (random ids, or held-out files).
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.assets import demo_model_path  # noqa: E402
@@ -38,6 +38,7 @@ from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from ridge.engine.speculation import StepClock  # noqa: E402
 from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from ridge.spec.proposer import Proposal  # noqa: E402
+from ridge.utils.graph_timing import elapsed_ms  # noqa: E402
 
 
 def sync():
@@ -123,16 +124,8 @@ def event_time(fn, reps: int) -> float:
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    times = []
-    for i in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    times = [elapsed_ms(fn) / 1e3 for _ in range(reps + 3)]
+    return statistics.median(times[3:])
 
 
 def precision(a) -> dict:

@@ -6,7 +6,7 @@ power-of-two scale per token and kv head) and the rotation its kernels' (q and k
 FA3 reports 2.6x lower error with the rotation (its FP8 covers Q, K and V with per-tensor scales,
 ridge's only the cache, per row). CPU or GPU, seconds.
 
-    python benchmarks/kv_fp8_error.py [--json PATH] [--seqlen 1024] [--head-dim 128] [--heads 8] [--seeds 3]
+    python benchmarks/kernels/kv_fp8_error.py [--json PATH] [--seqlen 1024] [--head-dim 128] [--heads 8] [--seeds 3]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 from ridge.kernels.kv_fp8 import dequantize_rows_ref, hadamard_signs, quantize_rows_ref  # noqa: E402
 
 

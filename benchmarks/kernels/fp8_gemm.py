@@ -2,7 +2,7 @@
 torch._scaled_mm (block-scaled 1x128 / 128x128, and row-wise) and cuBLAS bf16, on Llama-3-8B and
 DeepSeek-V3 shapes.
 
-    python benchmarks/fp8_gemm.py [--json PATH] [--rows 64 128 512 2048 4096] [--models llama3-8b deepseek-v3]
+    python benchmarks/kernels/fp8_gemm.py [--json PATH] [--rows 64 128 512 2048 4096] [--models llama3-8b deepseek-v3]
                                   [--dry-run]
 
 (JSON defaults to $OUT/fp8_gemm.json when OUT is set; --dry-run prints the plan without a GPU.)
@@ -30,9 +30,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (calls_for, copies_for, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import (calls_for, copies_for, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
                     replay_options, run_plan, short_error, time_calls)
 
 from ridge.bench.common import fmt  # noqa: E402

@@ -1,6 +1,6 @@
 """GPU benchmark of ridge's Triton attention kernels against torch's attention backends.
 
-    python benchmarks/attention.py [--json PATH] [--only prefill|decode] [--splits-sweep 32 64 128]
+    python benchmarks/kernels/attention.py [--json PATH] [--only prefill|decode] [--splits-sweep 32 64 128]
         [--kv-cache-dtype bf16|fp8|both] [--decode-shapes 32x4096 128x2048]
     (JSON defaults to $OUT/attention.json when OUT is set)
 
@@ -32,9 +32,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth_gbps, json_option, rotating_sets, time_rotating, try_time, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import copy_bandwidth_gbps, json_option, rotating_sets, time_rotating, try_time, write_json  # noqa: E402
 
 from ridge.bench.common import fmt  # noqa: E402
 
@@ -261,7 +260,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/attention.py needs a CUDA GPU (the kernels' CPU checks are "
+        sys.exit("benchmarks/kernels/attention.py needs a CUDA GPU (the kernels' CPU checks are "
                  "tests/test_attention_kernels.py under TRITON_INTERPRET=1)")
     import triton
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))

@@ -1,4 +1,4 @@
-"""`benchmarks/tp.py scale` (imported by tp.py, not run): tensor-parallel scaling (issue 22).
+"""`benchmarks/engine/tp.py scale` (imported by tp.py, not run): tensor-parallel scaling (issue 22).
 
 Per shape and TP size, in a process of its own (`scale_one`): TTFT of a --ttft-len (4,096) token
 prompt, batch-1 ITL and tokens/s, batch-64 tokens/s, each ridge's latency benchmark

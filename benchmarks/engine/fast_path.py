@@ -1,7 +1,7 @@
 """Acceptance benchmark of the GPU fast path: ridge and its peer, HuggingFace transformers, in one
 process, on the same checkpoint and dtype.
 
-    python benchmarks/fast_path.py --model /tmp/ridge-llama3-8b --model /tmp/ridge-qwen3-0.6b \\
+    python benchmarks/engine/fast_path.py --model /tmp/ridge-llama3-8b --model /tmp/ridge-qwen3-0.6b \\
         --json $OUT/fast_path.json
 
 For each --model, in this order:
@@ -39,7 +39,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 from ridge.bench.common import device_name, format_table, sync, write_json  # noqa: E402
 from ridge.bench.datasets import BenchRequest, RandomPrompts, special_token_ids, synthetic_requests  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Where a stream's inter-token gap goes: `ridge serve` with two timing probes, for diagnosis.
 
-    python benchmarks/serve_probe.py --probe-out probe.json serve --port 8765 --max-num-seqs 64 &
-    python benchmarks/serve_load.py --url http://127.0.0.1:8765 --json load.json
-    kill %1; python benchmarks/serve_probe.py --analyze load.json probe.json
+    python benchmarks/serving/serve_probe.py --probe-out probe.json serve --port 8765 --max-num-seqs 64 &
+    python benchmarks/serving/serve_load.py --url http://127.0.0.1:8765 --json load.json
+    kill %1; python benchmarks/serving/serve_probe.py --analyze load.json probe.json
 
 Probes (wrapped around the engine client's methods, nothing in ridge changes):
   steps       how long each engine step takes in the engine thread (GPU work plus every wait for

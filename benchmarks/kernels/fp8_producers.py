@@ -3,7 +3,7 @@ quantization fused in (ridge/kernels/rmsnorm.py rms_norm_fp8, silu_mul.py silu_a
 against the same kernel followed by the separate quantization pass (quantize_act_fp8), what an FP8
 layer runs where no producer quantizes for it.
 
-    python benchmarks/fp8_producers.py [--json PATH] [--tokens 1 64 512 4096] [--dry-run]
+    python benchmarks/kernels/fp8_producers.py [--json PATH] [--tokens 1 64 512 4096] [--dry-run]
 
 (JSON defaults to $OUT/fp8_producers.json when OUT is set; --dry-run prints the plan without a GPU.)
 Llama-3-8B shapes, bf16 in: hidden 4096, intermediate 14336. Cases, each at T tokens:
@@ -32,9 +32,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (copy_bandwidth_gbps, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import (copy_bandwidth_gbps, cuda_run, json_option, parse_positive, print_plan,  # noqa: E402
                     record_bandwidth, replay_options, rotating_sets, time_rotating, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402

@@ -7,7 +7,7 @@ Timed as a round trip, per step: rank 0 sends the step, rank 1 takes it (decodin
 and acknowledges; for the ring the acknowledgement is rank 1's own "taken" counter, for the
 broadcast a one-element broadcast back. Median over --steps after warm-up; JSON to --json.
 
-    python benchmarks/step_ring.py --batches 1 256 --json step_ring.json
+    python benchmarks/engine/step_ring.py --batches 1 256 --json step_ring.json
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
 from ridge.runner.step_ring import StepRing, decode_arrays, encode_arrays  # noqa: E402
 

@@ -2,17 +2,17 @@
 
 Each kernel is compiled by Triton for sm_90a (a GPUTarget, no device needed) with the
 specialization a launch at the DeepSeek-V2-Lite expert shape gets (pointers and 16-divisible
-strides marked divisible by 16, the tiles as constexprs), assembled by the ptxas Triton ships
-(`-v`: registers a thread, spilled bytes), and disassembled by its cuobjdump. Per kernel: the
-SASS instructions of one iteration of its K loop (the body of the backward branch that holds
+strides marked divisible by 16, the tiles as constexprs), assembled by the ptxas Triton's own
+compiler picks for sm_90a (`-v`: registers a thread, spilled bytes), and disassembled by its
+cuobjdump. Per kernel: the SASS instructions of one iteration of its K loop (the body of the backward branch that holds
 the most instructions) by opcode, divided by the weights a thread handles in that iteration.
 The question it answers is the one a bandwidth-bound decode kernel must pass: does each weight
 cost few enough instructions for its bytes to arrive at HBM speed (the dense INT4 GEMV's
 docstring: ~4 instructions a weight is the budget), and does the tile fit the register file
 (a spill is a local-memory round trip in the loop).
 
-    python benchmarks/kernel_sass.py --json kernel_sass.json
-    python benchmarks/kernel_sass.py --kernels "small down" --formats int4 --int4-gemv   # + the dense INT4 GEMV
+    python benchmarks/kernels/kernel_sass.py --json kernel_sass.json
+    python benchmarks/kernels/kernel_sass.py --kernels "small down" --formats int4 --int4-gemv   # + the dense INT4 GEMV
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from ridge.bench.common import format_table, write_json  # noqa: E402
 
@@ -32,12 +32,19 @@ V2_LITE = dict(E=64, top_k=6, H=2048, I=1408)
 
 
 def tools() -> dict[str, str]:
+    """The ptxas Triton itself runs for sm_90a (its NVIDIA backend's choice, TRITON_PTXAS_PATH or
+    TRITON_PTXAS_BLACKWELL_PATH honoured): the PTX a Triton emits carries a version only the
+    ptxas it ships can read (Triton 3.9 emits PTX 9.x and assembles Hopper with its
+    `ptxas-blackwell`, a CUDA 13 ptxas; its CUDA 12.8 `ptxas` rejects that PTX). cuobjdump likewise."""
     import triton
     if triton.knobs.runtime.interpret:
         raise SystemExit("kernel_sass: TRITON_INTERPRET=1 makes the kernels interpreted functions, which do not "
                          "compile: run without it")
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    found = {t: os.path.join(bin_dir, t) for t in ("ptxas", "cuobjdump")}
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        found = {"ptxas": get_ptxas(90).path, "cuobjdump": triton.knobs.nvidia.cuobjdump.path}
+    except RuntimeError as e:            # a knob naming a missing tool
+        raise SystemExit(f"kernel_sass: {e}")
     missing = [p for p in found.values() if not os.path.isfile(p)]
     if missing:
         raise SystemExit(f"kernel_sass: {', '.join(missing)} not found (Triton's NVIDIA backend ships them)")
@@ -53,7 +60,10 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, divisible: set
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     names = list(signature)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    # a constexpr is no argument of the compiled function: an attribute on it would land on the
+    # next real argument (Triton 3.9 sets attributes by position among the real ones)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in divisible and signature[n] != "constexpr"}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]

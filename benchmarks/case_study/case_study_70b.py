@@ -1,8 +1,8 @@
 """Issue 21's case study: a Llama-3-70B shape on one GPU, measured round by round; and its story.
 
-    python benchmarks/case_study_70b.py round --round 0 --model /tmp/llama3-70b --out docs/case-study-70b/round-0
-    python benchmarks/case_study_70b.py round --round 0 --smoke --out /tmp/cs-smoke    # the demo model, CPU-sized
-    python benchmarks/case_study_70b.py story --rounds docs/case-study-70b           # table + plot in the doc
+    python benchmarks/case_study/case_study_70b.py round --round 0 --model /tmp/llama3-70b --out docs/case-study-70b/round-0
+    python benchmarks/case_study/case_study_70b.py round --round 0 --smoke --out /tmp/cs-smoke    # the demo model, CPU-sized
+    python benchmarks/case_study/case_study_70b.py story --rounds docs/case-study-70b           # table + plot in the doc
 
 A round is its engine flags (ROUNDS; --engine-args adds more, e.g. round 2's lever) on dummy weights
 (--model is written with random_checkpoint --preset llama3-70b --config-only when it has no
@@ -11,7 +11,7 @@ config.json). It runs two processes, one engine each, one after the other (one 7
      (1,024-token prompts, 128 new tokens: TTFT, ITL, MBU), then `ridge roofline`'s run_roofline on
      the same engine (prefill of 1,024 tokens, decode at batch 1 and 64, --predict) -> report.md,
      report.json, roofline.png; round 3 adds the controlled-acceptance proposer of
-     benchmarks/spec_decode.py (acceptance ALPHA, k = K) at batch 1 beside n-gram's run;
+     benchmarks/engine/spec_decode.py (acceptance ALPHA, k = K) at batch 1 beside n-gram's run;
   2. `ridge serve` with the same flags, then `ridge bench serve` (1,024 -> 256 tokens, Poisson) at
      rates from --rates, bisected (a rate that keeps p99 TTFT < 500 ms and p99 ITL < 50 ms sends the
      search up, one that does not down), each run bounded by what is left of --budget-s.
@@ -32,10 +32,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
-import case_study_serve as serve_part  # noqa: E402  (beside this file)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from benchmarks.case_study import case_study_serve as serve_part  # noqa: E402
 
 ALPHA, K = 0.78, 5                           # seed 002's speculation round
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -103,7 +102,7 @@ def measure(a) -> int:
     rep = run_roofline(llm=llm, batches=list(L["batches"]), context=L["input"] + L["output"] // 2,
                        prefill_len=L["input"], predict=True, out=a.out, reps=L["reps"], warmup=min(L["reps"], 2),
                        precisions=("bf16", "fp8", "int4", "fp8-kv", "int4+fp8-kv"),
-                       command="benchmarks/case_study_70b.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+                       command="benchmarks/case_study/case_study_70b.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
     write_json(os.path.join(a.out, "measure_extra.json"), dict(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         spec_itl_predicted_s=predicted_spec_itl(llm, rep, L) if spec is not None else None))
@@ -111,10 +110,10 @@ def measure(a) -> int:
 
 
 def controlled_acceptance(llm, spec, L: dict, smoke: bool) -> dict:
-    """Batch 1 with benchmarks/spec_decode.py's Oracle: it proposes the target's own greedy
+    """Batch 1 with benchmarks/engine/spec_decode.py's Oracle: it proposes the target's own greedy
     continuation, each token corrupted with probability 1 - ALPHA, for exactly the prompts
     run_latency draws (the same seeded RandomPrompts stream)."""
-    from spec_decode import Oracle, without_near_ties
+    from benchmarks.engine.spec_decode import Oracle, without_near_ties
 
     from ridge import SamplingParams
     from ridge.bench.datasets import RandomPrompts, special_token_ids
@@ -135,7 +134,7 @@ def controlled_acceptance(llm, spec, L: dict, smoke: bool) -> dict:
                            engine.model_cfg.vocab_size)
     spec.acceptance, spec.clock = {}, StepClock()
     r = run_latency(llm, 1, L["input"], L["output"], num_iters=iters, warmup_iters=warmup, seed=0, progress=False)
-    r["config"].update(proposer="controlled acceptance (benchmarks/spec_decode.py Oracle)", alpha=ALPHA, k=K)
+    r["config"].update(proposer="controlled acceptance (benchmarks/engine/spec_decode.py Oracle)", alpha=ALPHA, k=K)
     return r
 
 
@@ -259,7 +258,7 @@ fmt = lambda v: "-" if v is None else f"{v:,.4g}"  # noqa: E731
 
 
 def story(a) -> int:
-    from case_study_story import write_story
+    from benchmarks.case_study.case_study_story import write_story
     return write_story(a.rounds, a.doc)
 
 

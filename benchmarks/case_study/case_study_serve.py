@@ -1,4 +1,4 @@
-"""The 70B case study's serve sweep (benchmarks/case_study_70b.py, its second part): one `ridge serve`
+"""The 70B case study's serve sweep (benchmarks/case_study/case_study_70b.py, its second part): one `ridge serve`
 with the round's engine flags, then `ridge bench serve` (Poisson arrivals) at request rates bisected
 on the p99 SLOs (TTFT < 500 ms, ITL < 50 ms), the server's prefill chunk sized from the round's own
 batch-1 latency run."""
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLO_TTFT, SLO_ITL = 0.5, 0.05
 
 
@@ -45,7 +45,7 @@ def serve_token_budget(out: str, L: dict) -> tuple[int, str]:
 
 def start_server(flags: list[str], log_path: str, timeout_s: float, port: int = 0):
     """`ridge serve` with these flags (on `port`; 0: any free one), once it listens and its engine is
-    ready: (the process, its URL). Also benchmarks/serve_load.py's server."""
+    ready: (the process, its URL). Also benchmarks/serving/serve_load.py's server."""
     cmd = [sys.executable, "-m", "ridge", "serve", *flags, "--port", str(port), "--log-level", "info"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,

@@ -17,8 +17,8 @@
            --hf) HF transformers on the same config with random weights in the same run: greedy
            generate, decode rate = (new tokens - 1) / (t(new tokens) - t(1 token)).
 
-    python benchmarks/moe.py kernels --json moe_kernels.json
-    python benchmarks/moe.py e2e --model /tmp/qwen3-30b-a3b --batches 1 64 256 --hf --json moe_e2e.json
+    python benchmarks/kernels/moe.py kernels --json moe_kernels.json
+    python benchmarks/kernels/moe.py e2e --model /tmp/qwen3-30b-a3b --batches 1 64 256 --hf --json moe_e2e.json
 """
 from __future__ import annotations
 
@@ -31,9 +31,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import time_calls, try_time  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import time_calls, try_time  # noqa: E402
 
 from ridge.bench.common import device_name, format_table, write_json  # noqa: E402
 
@@ -223,7 +222,7 @@ def main(argv=None) -> int:
         p.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/moe.py needs a CUDA GPU (the kernels' CPU checks: tests/test_moe.py under TRITON_INTERPRET=1)")
+        sys.exit("benchmarks/kernels/moe.py needs a CUDA GPU (the kernels' CPU checks: tests/test_moe.py under TRITON_INTERPRET=1)")
     r = kernels(a) if a.part == "kernels" else e2e(a)
     if a.json:
         write_json(a.json, r)

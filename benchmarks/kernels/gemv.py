@@ -1,6 +1,6 @@
 """GPU benchmark of ridge's small-batch GEMV (ridge/kernels/gemv.py) against cuBLAS (F.linear).
 
-    python benchmarks/gemv.py [--json PATH] [--rows 1 2 4 8] [--models llama3-8b qwen3-0.6b]
+    python benchmarks/kernels/gemv.py [--json PATH] [--rows 1 2 4 8] [--models llama3-8b qwen3-0.6b]
                               [--sweep] [--skip-default] [--dry-run]
 
 (JSON defaults to $OUT/gemv.json when OUT is set; --dry-run prints the plan without a GPU.)
@@ -36,9 +36,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (calls_for, copies_for, copy_bandwidth_gbps, json_option, l2_bytes as device_l2_bytes,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import (calls_for, copies_for, copy_bandwidth_gbps, json_option, l2_bytes as device_l2_bytes,  # noqa: E402
                     replay_options, time_calls, try_time, write_json)
 
 from ridge.bench.common import fmt  # noqa: E402
@@ -226,7 +225,7 @@ def main(argv=None) -> None:
         print_plan(default, sweep)
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/gemv.py needs a CUDA GPU (--dry-run prints the plan; the kernel's CPU "
+        sys.exit("benchmarks/kernels/gemv.py needs a CUDA GPU (--dry-run prints the plan; the kernel's CPU "
                  "checks are tests/test_gemv.py under TRITON_INTERPRET=1)")
     import triton
 

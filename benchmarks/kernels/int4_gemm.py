@@ -1,7 +1,7 @@
 """GPU benchmark of ridge's W4A16 kernels (ridge/kernels/int4_matmul.py) against cuBLAS bf16 and
 torch's tinygemm int4, on the Llama-3-8B and -70B projection shapes.
 
-    python benchmarks/int4_gemm.py [--json PATH] [--rows 1 2 4 ...] [--models llama3-8b llama3-70b]
+    python benchmarks/kernels/int4_gemm.py [--json PATH] [--rows 1 2 4 ...] [--models llama3-8b llama3-70b]
                                    [--only o down] [--splits 1 2 4 8 16 32] [--dry-run]
                                    [--gemv-configs 128,128,4,4 ...] [--gemm-configs 64,128,64,4,4 ...]
 
@@ -40,9 +40,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, json_option, print_plan,  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+from benchmarks.timing import (calls_for, copies_for, copy_bandwidth_gbps, cuda_run, json_option, print_plan,  # noqa: E402
                     replay_options, run_plan, short_error, time_calls, try_time)
 
 from ridge.bench.common import fmt  # noqa: E402
