@@ -36,8 +36,8 @@ DEFAULT_L2_BYTES = 50 << 20      # used only when the device does not report its
 
 
 def json_option(ap, filename: str, without_out: str | None = None) -> None:
-    """A script's --json: by default $OUT/<filename> when OUT is set (benchmarks/gpu_run.sh sets
-    it), else `without_out`."""
+    """A script's --json: by default $OUT/<filename> when OUT is set (the device machine sets it;
+    benchmarks/run.py passes --json itself), else `without_out`."""
     out_dir = os.environ.get("OUT")
     ap.add_argument("--json", default=os.path.join(out_dir, filename) if out_dir else without_out)
 
@@ -104,42 +104,25 @@ def summarize(replay_ms: Sequence[float], calls: int, sets: int, mode: str) -> T
 
 
 class Replayer:
-    """Captures a list of calls into one CUDA graph and times each replay with CUDA events."""
+    """Captures a list of calls into one CUDA graph and times each replay with CUDA events: ridge's
+    own timer (ridge.utils.graph_timing), the one the GEMM dispatches choose their paths with."""
 
     def __init__(self):
-        import torch
-        self.torch = torch
+        from ridge.utils import graph_timing
+        self.timer = graph_timing
 
     def prepare(self, fns: Sequence[Callable[[], object]], graph: bool) -> Callable[[], None]:
-        torch = self.torch
-        # compile, autotune and pick library kernels before capture, on a side stream as capture wants
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
+        self.timer.warm_up(fns)
         if not graph:
             def run_all():
                 for f in fns:
                     f()
             return run_all
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        self._graph = g         # kept alive as long as the replayer
-        return g.replay
+        self._graph = self.timer.capture(fns)       # kept alive as long as the replayer
+        return self._graph.replay
 
     def time_ms(self, run: Callable[[], None]) -> float:
-        torch = self.torch
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+        return self.timer.elapsed_ms(run)
 
 
 def time_calls(fns: Sequence[Callable[[], object]], *, sets: int = 1, reps: int = 30, warmup: int = 3,
@@ -192,7 +175,8 @@ def copy_bandwidth_gbps() -> float:
 
 def short_error(e: BaseException, width: int = 160) -> str:
     """An exception as one line for a benchmark's report: its type and its message's first line."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''}"
+    from ridge.utils.graph_timing import error_line
+    return error_line(e, width)
 
 
 def try_time(name: str, timer: Callable[[], Timing]) -> Timing | None:

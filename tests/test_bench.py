@@ -1,4 +1,4 @@
-"""`ridge bench latency`, `ridge bench throughput`, the ShareGPT loader and benchmarks/fast_path.py,
+"""`ridge bench latency`, `ridge bench throughput`, the ShareGPT loader and benchmarks/engine/fast_path.py,
 on the CPU with the tiny checkpoint and tiny sizes."""
 import importlib.util
 import json
@@ -297,9 +297,9 @@ def test_conflicting_length_options_are_a_usage_error(tiny, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-# -- benchmarks/fast_path.py ---------------------------------------------------------------------------
+# -- benchmarks/engine/fast_path.py ------------------------------------------------------------------------
 def test_fast_path_smoke(tiny, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "fast_path.py"))
+    spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "engine", "fast_path.py"))
     fast_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fast_path)
     path = tmp_path / "fp.json"
@@ -331,7 +331,7 @@ def test_fast_path_smoke(tiny, tmp_path, capsys):
 
 
 def test_fast_path_rejects_unknown_part(tiny, capsys):
-    spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "fast_path.py"))
+    spec = importlib.util.spec_from_file_location("fast_path", os.path.join(ROOT, "benchmarks", "engine", "fast_path.py"))
     fast_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fast_path)
     with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""benchmarks/case_study_70b.py (issue 21) end to end on the CPU: `round --round 0 --smoke` runs the
+"""benchmarks/case_study/case_study_70b.py (issue 21) end to end on the CPU: `round --round 0 --smoke` runs the
 whole pipeline (one engine for ridge bench latency + ridge roofline, then ridge serve + ridge bench
 serve) on a bundled demo model at tiny lengths and writes summary.json with every figure, its
 target and the roofline's prediction beside the measurement; `story` fills the doc's figures table
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "case_study_70b.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "case_study", "case_study_70b.py")
 
 
 def run(*args, timeout=300):

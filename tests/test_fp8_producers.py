@@ -149,7 +149,7 @@ def test_empty_batches():
 
 
 def test_benchmark_plan_and_bytes(capsys, monkeypatch):
-    """benchmarks/fp8_producers.py: the 8B shape at the four token counts; the separate pass moves
+    """benchmarks/kernels/fp8_producers.py: the 8B shape at the four token counts; the separate pass moves
     the bf16 intermediate twice more (written, read back) than the fused kernel."""
     from tests_support import load_benchmark
     b = load_benchmark("fp8_producers")

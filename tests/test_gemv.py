@@ -1,5 +1,5 @@
 """Small-batch GEMV (ridge/kernels/gemv.py) vs its torch reference, the Linear dispatch, and the
-plan of benchmarks/gemv.py.
+plan of benchmarks/kernels/gemv.py.
 
 On CPU the kernel runs under the Triton interpreter (chosen before triton is imported) at small
 shapes whose N and K are not multiples of the tiles; with a GPU the `gpu` tests run it at the

@@ -1,6 +1,6 @@
 """The W4A16 kernels (ridge/kernels/int4_gemv.py, int4_gemm.py, via int4_matmul) against the
 dequantize-then-matmul reference, the dispatch, the PTX dequant's bit arithmetic, and the plan of
-benchmarks/int4_gemm.py.
+benchmarks/kernels/int4_gemm.py.
 
 On CPU the kernels run under the Triton interpreter (chosen before triton is imported) at small
 odd shapes: N not a multiple of the block, K over several groups and tiles, group_size = K, the

@@ -116,7 +116,7 @@ def test_bad_scales_are_named():
 
 
 def test_hadamard_lowers_attention_error_on_outliers():
-    """benchmarks/kv_fp8_error.py at a small size: the rotation lowers attention's error over an
+    """benchmarks/kernels/kv_fp8_error.py at a small size: the rotation lowers attention's error over an
     FP8 cache on FlashAttention-3's outlier inputs."""
     from tests_support import load_benchmark
     e = load_benchmark("kv_fp8_error").errors(256, 64, 2, seed=0)

@@ -2,7 +2,7 @@
 a third cancelled mid-stream, while the large-prompt attack runs beside them. Every stream that
 was not cancelled ends with [DONE] after its finish, every attack request gets its 400, and once
 the server is idle no KV page is held. The p99 inter-token gap against an unattacked run is a
-benchmark figure (benchmarks/serve_load.py, BENCHMARKS.md), not asserted here."""
+benchmark figure (benchmarks/serving/serve_load.py, BENCHMARKS.md), not asserted here."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """Helpers shared by test modules."""
 import contextlib
+import glob
 import importlib.util
 import os
 import socket
@@ -83,8 +84,9 @@ def serving(app, what: str = "server"):
 
 
 def load_benchmark(name: str):
-    """benchmarks/NAME.py imported as a module (the benchmarks are scripts, not a package)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    """benchmarks/<folder>/NAME.py imported as a module under its own name (the benchmarks run as scripts)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (path,) = glob.glob(os.path.join(root, "benchmarks", "*", f"{name}.py"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod        # dataclasses look their module up while the class is built

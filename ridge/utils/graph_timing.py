@@ -1,24 +1,51 @@
-"""Timing a GPU function the way a decode step runs it: replayed from a CUDA graph (the FP8 and INT4
-GEMM dispatches and the MoE kernel plans use it to choose between paths)."""
+"""Timing GPU work the way a decode step runs it: replayed from a CUDA graph. The one timer of ridge:
+the FP8 and INT4 GEMM dispatches and the MoE kernel plans choose between paths with
+`graph_time_us`, and the kernel benchmarks (benchmarks/timing.py) capture and time their calls
+with `warm_up`, `capture` and `elapsed_ms`."""
 from __future__ import annotations
 
 import statistics
+from typing import Callable, Sequence
 
 import torch
 
 
-def error_line(e: BaseException) -> str:
-    """How a dispatch table records a path that failed to time: the error's type and first line."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+def error_line(e: BaseException, width: int = 160) -> str:
+    """How a dispatch table or a benchmark's report records a path that failed to time: the error's
+    type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''}"
 
 
-def _eager_us(fn) -> float:
+def elapsed_ms(run: Callable[[], object]) -> float:
+    """GPU time of one run() between a pair of CUDA events on the current stream, in milliseconds."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    run()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3
+    return start.elapsed_time(end)
+
+
+def warm_up(fns: Sequence[Callable[[], object]]) -> None:
+    """Each call once on a side stream, as capture wants: Triton compiles and autotunes and the
+    libraries pick their kernels here, outside the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture(fns: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """The calls, back to back, captured into one CUDA graph (warm them up first). A call that
+    cannot be captured raises (RuntimeError): the caller times it eagerly instead."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
 
 
 def graph_time_us(fn, reps: int = 7, calls: int = 10, bound_us: float = float("inf")) -> float:
@@ -34,24 +61,12 @@ def graph_time_us(fn, reps: int = 7, calls: int = 10, bound_us: float = float("i
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    eager = _eager_us(fn)
+    eager = elapsed_ms(fn) * 1e3
     if eager > 4 * bound_us + 50:
         return eager
     calls = max(1, min(calls, int(2000 / max(eager, 1.0))))
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        run = graph.replay
+        run = capture([fn] * calls).replay
     except RuntimeError:
-        graph, run = None, lambda: [fn() for _ in range(calls)]     # noqa: E731
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+        run = lambda: [fn() for _ in range(calls)]     # noqa: E731
+    return statistics.median(elapsed_ms(run) * 1e3 / calls for _ in range(reps))

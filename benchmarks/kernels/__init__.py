@@ -1,0 +1,1 @@
+"""Kernel benchmarks: each kernel against its peer, timed by benchmarks/timing.py."""

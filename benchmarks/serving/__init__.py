@@ -1,0 +1,1 @@
+"""Serving benchmarks: ridge serve under load."""
