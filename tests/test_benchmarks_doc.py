@@ -31,7 +31,7 @@ def test_every_figure_has_its_provenance(generator):
     rows = [r for s in generator.load()["sections"] for r in s["rows"]]
     assert rows
     for r in rows:
-        assert set(r) == set(generator.FIELDS), r
+        assert set(generator.FIELDS) <= set(r) <= {*generator.FIELDS, "headline"}, r
         assert all(str(r[f]).strip() for f in generator.FIELDS), r
         datetime.date.fromisoformat(r["date"])
         assert (ROOT / r["raw"]).exists(), f"{r['what']}: raw file {r['raw']} is missing"
@@ -50,3 +50,9 @@ def test_journal_headings_say_what_where_when():
             assert not re.search(r"\bsession\b|\bround \w+ follow-up|\(issue \d+", heading, re.I), (page.name, heading)
             if not page.name.endswith("-notes.md"):
                 assert re.search(r"— .+, \d{4}-\d\d-\d\d$", heading), (page.name, heading)
+
+
+def test_readme_headline_table_is_current(generator):
+    text = (ROOT / "README.md").read_text()
+    assert text == generator.readme(text), "README.md's headline table is stale: run python3 scripts/gen_benchmarks_doc.py"
+    assert generator.headline().count("\n") >= 5
