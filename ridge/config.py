@@ -115,7 +115,8 @@ class EngineConfig:
     directory, `device` and `dtype` to torch objects, `max_model_len` to a number) and sizes the
     KV pool (`num_pages`, which is not a setting)."""
 
-    model: str | None = setting(None, help="HF checkpoint directory", default_text="the bundled demo model")
+    model: str | None = setting(None, help="HF checkpoint directory, or a bundled model's name (demo-code-12m, demo-code-3m)",
+                               default_text="the bundled demo model")
     device: str | torch.device = setting("auto", help="auto, cpu, cuda or cuda:N", check=_device_check,
                                          default_text="auto: cuda if available, else cpu")
     dtype: str | torch.dtype = setting(
@@ -286,13 +287,19 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def model_dir(model: str | None) -> str:
-    """The checkpoint directory a `model` setting names (None: the demo model bundled with ridge)."""
+    """The checkpoint directory a `model` setting names: a directory, else a bundled model's name
+    ("demo-code-12m", found beside ridge's own files, whatever the working directory); None: the
+    demo model. The target model and the draft model are both resolved here."""
+    from ridge.assets import bundled_model_path, bundled_models, demo_model_path
     if model is None:
-        from ridge.assets import demo_model_path
-        model = demo_model_path()
-    if not os.path.isdir(model):
-        raise ValueError(f"model: {model!r} is not a directory (ridge loads local HF checkpoint directories)")
-    return model
+        return demo_model_path()
+    if os.path.isdir(model):
+        return model
+    bundled = bundled_model_path(model)
+    if bundled is None:
+        raise ValueError(f"model: {model!r} is neither a directory (ridge loads local HF checkpoint directories) "
+                         f"nor a bundled model's name ({', '.join(bundled_models())})")
+    return bundled
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -1,8 +1,15 @@
-"""The README's serving examples, run as written: its `ridge serve` line is parsed by ridge's own
-parser and served by the app `ridge serve` builds (the bundled demo model when the line names
-none), and its curl requests and openai-python snippet are sent to it. Only the address moves
-(a free port instead of 8000, so the test can run beside a real server). A README whose model
-name, key or request bodies drift from what that command serves fails here."""
+"""The README's examples, run as written, from a temporary directory (so a path that only works from
+the repository's root fails here).
+
+The quick start: every `ridge ...` line of its shell blocks goes through the console script's entry
+point (`ridge.cli.main`), and each of its Python blocks is executed; the `pip install` lines are the
+set-up, which CI's fresh-venv run checks.
+
+The serving examples: the `ridge serve` line is parsed by ridge's own parser and served by the app
+`ridge serve` builds (the bundled demo model when the line names none), and the curl requests and
+openai-python snippet are sent to it. Only the address moves (a free port instead of 8000, so the
+test can run beside a real server). A README whose model name, key or request bodies drift from
+what that command serves fails here."""
 from __future__ import annotations
 
 import contextlib
@@ -23,14 +30,62 @@ from tests_support import serving
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _serving_section() -> str:
+def _section(title: str) -> str:
     text = README.read_text()
-    start = text.index("\n## Serving")
+    start = text.index(f"\n## {title}\n")
     return text[start:text.index("\n## ", start + 1)]
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", _serving_section(), re.S)
+def _serving_section() -> str:
+    return _section("Serving")
+
+
+def _blocks(lang: str, section: str = "Serving") -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", _section(section), re.S)
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """The README's commands run from a directory that is not the repository."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_readme_is_short():
+    assert len(README.read_text().splitlines()) <= 200
+
+
+def _quick_start_commands() -> list[list[str]]:
+    joined = "\n".join(_blocks("bash", "Quick start")).replace("\\\n", " ")
+    lines = [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
+    return [argv for argv in lines if argv and argv[0] == "ridge"]
+
+
+def test_quick_start_commands_run_from_any_directory(elsewhere, capsys):
+    from ridge.cli import main
+    commands = _quick_start_commands()
+    assert len(commands) >= 2, "the quick start shows `ridge ...` commands"
+    for argv in commands:
+        try:
+            rc = main(argv[1:])
+        except SystemExit as e:           # --help prints and exits, as argparse does
+            rc = e.code
+        out = capsys.readouterr()
+        assert rc in (0, None), (argv, out.err[-2000:])
+        assert out.out.strip(), f"{shlex.join(argv)} printed nothing"
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_quick_start_python_blocks_run_from_any_directory(elsewhere, index):
+    blocks = _blocks("python", "Quick start")
+    assert len(blocks) == 2, "the quick start's Python blocks: generation, then speculative decoding"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[index], f"README.md (quick start, Python block {index + 1})", "exec"), {})
+    printed = out.getvalue()
+    assert printed.strip(), printed
+    if "speculative_config" in blocks[index]:
+        assert re.search(r"\d+ draft tokens accepted", printed), printed
 
 
 def _commands() -> list[list[str]]:
