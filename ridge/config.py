@@ -27,7 +27,7 @@ class SpeculativeConfig:
     (k, the most drafts a step); prompt_lookup_min/max (the n-gram lengths tried, longest first);
     `disable_by_batch_size`: no speculation in a step with more running sequences than this
     (default: where the verify pass stops being memory-bound, from the measured ceilings and the
-    model's cost; ridge/engine/speculation.py)."""
+    model's cost; ridge/engine/spec/speculator.py)."""
     method: str
     num_speculative_tokens: int
     model: str | None = None
@@ -75,13 +75,6 @@ def _json_object(text: str):
         return json.loads(text)
     except ValueError as e:
         raise _BadJson(f"not valid JSON ({e}): {text!r}") from None
-
-
-def _speculative_check(value) -> str | None:
-    try:
-        SpeculativeConfig.parse(value)
-    except ValueError as e:
-        return str(e)
 
 
 def _device_check(value) -> str | None:
@@ -164,7 +157,7 @@ class EngineConfig:
         False, help="with --kv-cache-dtype fp8: rotate q and k by a random-sign Hadamard matrix before k is "
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
-        None, parse=_json_object, check=_speculative_check,
+        None, parse=_json_object,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, '
              '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": B}',
         default_text="off")
@@ -181,22 +174,25 @@ class EngineConfig:
         300.0, above=0, help="with tensor_parallel_size > 1: a collective that waits longer than this for a rank "
                              "fails the engine (a hung rank); a rank that dies is reported at once")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
+    # speculative_config parsed, once, at construction: what everything below reads
+    speculation: SpeculativeConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         kv = self.kv_cache_memory
         if isinstance(kv, float) and 0 < kv <= 1:
             raise ValueError(f"kv_cache_memory: is bytes, got {kv}; a fraction of memory is gpu_memory_utilization")
         settings.validate(self)
+        if self.speculative_config is not None:
+            try:
+                self.speculation = SpeculativeConfig.parse(self.speculative_config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization: give it or kv_cache_memory, not both "
                              f"(got {self.gpu_memory_utilization} and {self.kv_cache_memory} bytes)")
         if self.kv_cache_hadamard and not self.fp8_kv_cache:
             raise ValueError("kv_cache_hadamard: rotates keys before FP8 quantization; it needs kv_cache_dtype='fp8' "
                              f"(got {self.kv_cache_dtype!r})")
-
-    @property
-    def speculation(self) -> SpeculativeConfig | None:
-        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
 
     @property
     def fp8_kv_cache(self) -> bool:

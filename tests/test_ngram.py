@@ -5,7 +5,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from ridge.spec.ngram import NgramProposer, propose_ngram
+from ridge.engine.spec.ngram import NgramProposer, propose_ngram
 
 
 def slow_reference(ids, min_n, max_n, k):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ridge.layers.sampler import SamplingBatch, sample
-from ridge.layers.spec_sampling import draft_probs, sample_probs, target_probs, verify
+from ridge.engine.spec.rejection import draft_probs, sample_probs, target_probs, verify
 
 
 def make_batch(n, vocab, *, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, steps=None,

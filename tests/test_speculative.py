@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (ridge/engine/speculation.py): greedy identity with both
+"""Speculative decoding in the engine (ridge/engine/spec/): greedy identity with both
 proposers, the sampled distribution, seeds, sampling parameters, stops and limits in the middle of
 an accepted run, pages, adaptation and metrics."""
 import math
@@ -10,8 +10,8 @@ from conftest import prompt_of
 
 from ridge import LLM, SamplingParams
 from ridge.assets import demo_model_path
-from ridge.engine.speculation import best_k, expected_tokens, memory_bound_batch
-from ridge.spec.proposer import Proposal
+from ridge.engine.spec.speculator import best_k, expected_tokens, memory_bound_batch
+from ridge.engine.spec.proposer import Proposal
 
 DEMO = demo_model_path()
 DRAFT = os.path.join(os.path.dirname(DEMO), "demo-code-3m")
@@ -143,7 +143,7 @@ def test_sampled_distribution_is_the_targets_and_a_wrong_rule_is_caught(pair, mo
     stat, df = _two_sample_chi2(plain, spec)
     assert stat < _chi2_quantile(df), (stat, df)
 
-    import ridge.engine.speculation as sp
+    import ridge.engine.spec.speculator as sp
     accept_everything = lambda drafts, q, p, seeds, steps, greedy, num_draft: _accept_all(drafts, p, num_draft)  # noqa: E731
 
     monkeypatch.setattr(sp, "verify", accept_everything)
@@ -344,7 +344,7 @@ class _ShiftedClock:
 def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain, monkeypatch):
     """All drafts are accepted, but proposing takes longer than the tokens it saves: the step clock
     turns speculation off at that batch size (probing again, PROBE_STEPS steps every PROBE steps)."""
-    import ridge.engine.engine as engine_module
+    import ridge.engine.spec.speculator as engine_module     # where the engine's steps are timed
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     want = demo_plain.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
     spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=256, speculative_config=NGRAM)
@@ -356,6 +356,6 @@ def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain, monkeypatch)
     out = spec.generate([PROMPTS[3]], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
     # a first run of PROBE_STEPS drafting steps, then plain steps but for one probe run (cut by max_tokens)
-    from ridge.engine.speculation import PROBE_STEPS
+    from ridge.engine.spec.clock import PROBE_STEPS
     assert PROBE_STEPS <= out.metrics.num_drafts <= 2 * PROBE_STEPS
     assert out.metrics.num_accepted_tokens == 4 * out.metrics.num_drafts

@@ -1,4 +1,4 @@
-"""The engine's step clock (ridge/engine/speculation.py StepClock): whether drafting pays at a batch
+"""The engine's step clock (ridge/engine/spec/clock.py StepClock): whether drafting pays at a batch
 size, judged on runs of steps, and how often the losing way is re-timed."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 
 def test_step_clock_stops_speculation_that_is_slower_and_retries_it():
-    from ridge.engine.speculation import PROBE, PROBE_COST, PROBE_STEPS, StepClock
+    from ridge.engine.spec.clock import PROBE, PROBE_COST, PROBE_STEPS, StepClock
     clock = StepClock()
     b = clock.bucket(4)
 
@@ -36,7 +36,7 @@ def test_step_clock_probes_cost_at_most_probe_cost():
     """The 70B round 3's shape of it: verify steps of 21 ms emitting 3.5 tokens against plain steps of
     19 ms emitting one. Each probe of plain decoding (after the first timing of both ways) costs under
     PROBE_COST of the time since the one before it (a fixed 32-step interval: ~8%)."""
-    from ridge.engine.speculation import PROBE_COST, PROBE_STEPS, StepClock
+    from ridge.engine.spec.clock import PROBE_COST, PROBE_STEPS, StepClock
     clock = StepClock()
     spent = extra = 0.0
     probes, plain_run = [], 0
@@ -59,7 +59,7 @@ def test_step_clock_is_not_decided_by_one_unlucky_verify_step():
     the next ones emit several. The first run of drafting steps is judged as a whole: drafting stays
     on (judging its first step alone turned it off for a probe interval and more: the 70B round 3's
     first measured iteration ran 113 steps for 128 tokens)."""
-    from ridge.engine.speculation import PROBE_STEPS, StepClock
+    from ridge.engine.spec.clock import PROBE_STEPS, StepClock
     clock = StepClock()
     for tokens in [1] + [4] * (PROBE_STEPS - 1):          # 24 ms a verify step
         assert clock.pays(1)
@@ -75,7 +75,7 @@ def test_step_clock_is_not_decided_by_one_unlucky_verify_step():
 def test_step_clock_gives_up_a_probe_that_nothing_runs():
     """A probe of drafting whose sequences propose nothing (plain steps run instead) is given up, and
     the plain steps are timed meanwhile."""
-    from ridge.engine.speculation import PROBE_STEPS, StepClock
+    from ridge.engine.spec.clock import PROBE_STEPS, StepClock
     clock = StepClock()
     assert clock.pays(2)
     for _ in range(2 * PROBE_STEPS + 1):

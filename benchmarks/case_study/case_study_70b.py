@@ -118,7 +118,7 @@ def controlled_acceptance(llm, spec, L: dict, smoke: bool) -> dict:
     from ridge import SamplingParams
     from ridge.bench.datasets import RandomPrompts, special_token_ids
     from ridge.bench.latency import run_latency
-    from ridge.engine.speculation import StepClock
+    from ridge.engine.spec.clock import StepClock
 
     engine = llm.engine
     if not smoke:                                     # dummy weights: greedy without near-ties (see there)

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.assets import demo_model_path  # noqa: E402
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
-from ridge.engine.speculation import StepClock  # noqa: E402
+from ridge.engine.spec.clock import StepClock  # noqa: E402
 from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
-from ridge.spec.proposer import Proposal  # noqa: E402
+from ridge.engine.spec.proposer import Proposal  # noqa: E402
 from ridge.utils.graph_timing import elapsed_ms  # noqa: E402
 
 

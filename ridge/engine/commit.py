@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from ridge.engine.request import Logprob, Request, Sequence
 from ridge.engine.token_text import TokenTexts
 
@@ -51,6 +53,23 @@ class Committer:
             touched[req.request_id] = req
             self.generation_tokens += 1
         return list(touched.values())
+
+    def commit_runs(self, seqs: list[Sequence], runs: list[list[int]],
+                    infos: list[list[tuple | None]]) -> list[Request]:
+        """Commit several tokens per sequence (a verify step's emitted run), one position at a time
+        across the sequences, so a stop or a length limit ends a run where plain decoding would; a
+        run's tokens after that are dropped. `infos`: per token its logprob info (host tensors) or None."""
+        touched = []
+        for j in range(max(map(len, runs), default=0)):
+            at = [r for r, run in enumerate(runs) if len(run) > j and not seqs[r].is_finished]
+            if not at:
+                break
+            info = None
+            if any(infos[r][j] is not None for r in at):
+                info = tuple(torch.stack([infos[r][j][c] for r in at]) if infos[at[0]][j][c] is not None else None
+                             for c in range(4))
+            touched += self.commit([seqs[r] for r in at], [runs[r][j] for r in at], info)
+        return touched
 
     def finish_reason(self, seq: Sequence, tok: int, length: int) -> str | None:
         """Why `tok`, the sequence's token number `length`, ends it (None: it does not)."""

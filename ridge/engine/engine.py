@@ -3,12 +3,13 @@
     step = schedule -> prepare + forward (runner) -> sample -> commit
 
 wiring together modules of their own: intake (validation, tokenization), scheduler and pages
-(who runs, where their KV lives), the runner, commit (tokens, stops, logprobs) and overlap
-(decode steps launched before the previous step's ids are read back)."""
+(who runs, where their KV lives), the runner, commit (tokens, stops, logprobs), overlap (decode
+steps launched before the previous step's ids are read back) and spec (speculative decoding: one
+call a step, around it; its verification is the sampling of the rows with drafts)."""
 from __future__ import annotations
 
-import itertools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, RequestOutput, acceptance_rate, mean_accepted_length
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import Scheduler, SchedulerOutput
+from ridge.engine.spec.speculator import SpecStep
 from ridge.layers.sampler import info_on_host
 
 
@@ -51,9 +53,7 @@ class EngineStats:
 class Engine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner, tokenizer=None, speculator=None):
         self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
-        self.speculator = speculator                # ridge/engine/speculation.py, or None
-        self.decode_kind: str | None = None         # the last step: "plain" or "verify" decode, else None
-        self.clock_pending: tuple[str, float] | None = None   # decode time not yet matched with tokens
+        self.speculator = speculator                # ridge/engine/spec/speculator.py, or None
         self.eos_ids = list(model_cfg.eos_token_ids)
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -89,43 +89,21 @@ class Engine:
                            p.num_free_pages, 1.0 - p.num_free_pages / p.num_pages, self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.committer.generation_tokens,
                            self.num_decode_steps, self.overlap.num_overlapped_steps,
-                           *((sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens)
-                             if (sp := self.speculator) is not None else ()))
+                           *(self.speculator.counters.totals() if self.speculator is not None else ()))
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
         outputs copies each request's lists, which offline callers need not pay every step. With
-        speculation, a decode step's time per token goes to the speculator's clock."""
-        if self.speculator is None:
-            return self._step(finished_only)
-        t0, tokens0, batch = time.perf_counter(), self.committer.generation_tokens, len(self.scheduler.running)
-        self.decode_kind = None
-        outputs = self._step(finished_only)
-        self._time_decode(batch, self.committer.generation_tokens - tokens0, time.perf_counter() - t0)
-        return outputs
+        speculation the step runs inside its SpecStep (drafts planned first, the step timed)."""
+        spec = nullcontext() if self.speculator is None else \
+            self.speculator.step(self.scheduler, self.committer, self.overlap.inflight is not None)
+        with spec as turn:
+            if self.overlap.inflight is not None:
+                return self._step_overlapped(turn, finished_only)
+            return self._step(turn, finished_only)
 
-    def _time_decode(self, batch: int, tokens: int, seconds: float) -> None:
-        """Give the speculator's clock the time per token of decode steps. A step whose ids stay on
-        the device commits nothing yet: its time goes with the step that commits its tokens."""
-        kind, pending = self.decode_kind, self.clock_pending
-        if kind is None or (pending is not None and pending[0] != kind):
-            self.clock_pending = None                       # a prefill, or the kind changed: start over
-            if kind is None:
-                return
-        pending = self.clock_pending or (kind, 0.0)
-        seconds += pending[1]
-        if tokens:
-            self.speculator.clock.observe(batch, kind == "verify", tokens, seconds)
-            self.clock_pending = None
-        else:
-            self.clock_pending = (kind, seconds)
-
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
-        if self.overlap.inflight is not None:
-            return self._step_overlapped(finished_only)
-        if self.speculator is not None:
-            self.speculator.plan(self.scheduler.running)
+    def _step(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_work() and not self.scheduler.running:
@@ -140,59 +118,44 @@ class Engine:
         self._advance(sched)
         decoding = len(items) == len(sched.scheduled) and all(i.num_new_tokens == 1 + i.num_draft for i in items)
         if any(item.num_draft for item in items):
-            self.decode_kind = "verify" if decoding else None
-            return self._outputs(self._commit_speculative(items, fwd.logits), finished_only)
-        self.decode_kind = "plain" if decoding else None
+            return self._outputs(self._commit_verified(turn.verify(items, fwd.logits, decoding), items, fwd.logits),
+                                 finished_only)
+        if turn is not None:
+            turn.kind = "plain" if decoding else None
         sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
         tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
                 and not any(s.request.params.uses_penalties for s in seqs) \
-                and (self.speculator is None or not self.speculator.active(self.scheduler.running)):
+                and (turn is None or not turn.keeps_drafting()):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
         return self._outputs(self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info)),
                              finished_only)
 
-    def _commit_speculative(self, items: list, logits) -> list[Request]:
-        """A step with drafts: each sampling item has num_draft + 1 logits rows. Items without
-        drafts (a prompt's last chunk, a decode without drafts) sample and fork as in a plain step;
-        items with drafts are verified. Tokens are committed a position at a time, so a stop or a
-        length limit ends an accepted run where plain decoding would."""
-        ends = list(itertools.accumulate(i.num_draft + 1 for i in items))
-        plain = [n for n, i in enumerate(items) if not i.num_draft]
-        spec = [i for i in items if i.num_draft]
-        spec_rows = [r for e, i in zip(ends, items) if i.num_draft for r in range(e - i.num_draft - 1, e)]
-        emitted, infos = self.speculator.verify(spec, logits[self.runner.to_device(spec_rows, torch.int64)])
-        seqs, rows = self.scheduler.fork_samples([items[n].seq for n in plain])
+    def _commit_verified(self, verified, items: list, logits) -> list[Request]:
+        """A step with drafts: items without drafts sample and fork as in a plain step, then each
+        verified item commits its emitted run and keeps the cache of its accepted drafts."""
+        seqs, rows = self.scheduler.fork_samples([i.seq for i in items if not i.num_draft])
         touched = []
         if rows:
-            lasts = [ends[plain[r]] - 1 for r in rows]
-            tokens, info = self.runner.sample(logits[self.runner.to_device(lasts, torch.int64)], seqs, self.eos_ids)
+            lasts = self.runner.to_device([verified.plain_rows[r] for r in rows], torch.int64)
+            tokens, info = self.runner.sample(logits[lasts], seqs, self.eos_ids)
             touched = self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info))
-        for j in range(max(map(len, emitted))):
-            at = [r for r, e in enumerate(emitted) if len(e) > j and not spec[r].seq.is_finished]
-            if not at:
-                break
-            info = None
-            if any(infos[r][j] is not None for r in at):
-                info = tuple(torch.stack([infos[r][j][c] for r in at]) if infos[at[0]][j][c] is not None else None
-                             for c in range(4))
-            touched += self.committer.commit([spec[r].seq for r in at], [emitted[r][j] for r in at], info)
-        for item, e in zip(spec, emitted):
-            self.scheduler.accept(item, len(e))
+        touched += self.committer.commit_runs([i.seq for i in verified.items], verified.tokens, verified.infos)
+        for item, run in zip(verified.items, verified.tokens):
+            self.scheduler.accept(item, len(run))
         return list({r.request_id: r for r in touched}.values())
 
-    def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:
+    def _step_overlapped(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight
         step's ids (the wait for them overlaps the step just launched)."""
-        if self.speculator is not None and self.speculator.active(self.scheduler.running):
+        if turn is not None and turn.drafts_next:
             prev, self.overlap.inflight = self.overlap.inflight, None   # commit it; the next step drafts
         else:
             prev = self.overlap.launch_ahead()
         ahead = self.overlap.inflight
-        self.decode_kind = "plain"
         if ahead is not None:
             self.num_decode_steps += 1
         tokens = self.runner.host_tokens(prev.host, prev.done)

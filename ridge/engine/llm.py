@@ -13,7 +13,7 @@ from ridge.engine.intake import prompt_list, sampling_list
 from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
-from ridge.engine.speculation import build_speculator
+from ridge.engine.spec.speculator import build_speculator
 from ridge.runner.model_runner import ModelRunner
 from ridge.parallel import launched
 from ridge.runner.workers import WorkerPool, serve_launched

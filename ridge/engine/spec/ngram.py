@@ -4,7 +4,7 @@ Outputs that quote their context (code edits, summaries, extraction, chat that r
 contain long runs already present in the prompt. If the sequence ends in an n-gram seen earlier,
 the tokens that followed that earlier occurrence are a good guess for what comes next, and the
 guess costs no model at all: the target model checks it in its next pass, and rejection sampling
-(ridge.layers.spec_sampling, with a point-mass q) keeps the output exactly the target's.
+(ridge/engine/spec/rejection.py, with a point-mass q) keeps the output exactly the target's.
 
 Preference: the longest n first (a longer match is more specific, so its continuation is likelier
 to be right), then the most recent occurrence (the local context is the likeliest to repeat). The
@@ -18,7 +18,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from ridge.spec.proposer import Proposal
+from ridge.engine.spec.proposer import Proposal
 
 _WORD = array("i").itemsize
 

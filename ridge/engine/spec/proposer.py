@@ -4,7 +4,7 @@ Each step the engine hands a proposer the sequences that speculate and, per sequ
 draft tokens it may take (`limits`: num_speculative_tokens, lowered by the room left before
 max_tokens and the context length, and by the sequence's measured acceptance). The proposer
 returns, per sequence, up to that many token ids, and optionally the distribution each was drawn
-from: the target's verification (ridge/layers/spec_sampling.py) accepts a draft x with probability
+from: the target's verification (rejection.py) accepts a draft x with probability
 min(1, p(x)/q(x)), and a proposer that returns no distribution is taken to have proposed point
 masses (q(x) = 1), which is exact for deterministic guesses such as n-gram lookup.
 

@@ -7,7 +7,7 @@ tokens (the tokens the target accepted since; a rejected draft's cache entries a
 cutting the cache back to the longest prefix both agree on), in one batched chunk that samples
 the first draft, then runs one decode step per further draft, all speculating sequences batched.
 Each draft is drawn from q, the draft's distribution under the request's own sampling parameters
-(spec_sampling.draft_probs), with the plain sampler's noise at that output index, and q is handed to
+(rejection.draft_probs), with the plain sampler's noise at that output index, and q is handed to
 the verification: a draft identical to the target is then always accepted. A sequence the draft
 pool has no pages for gets no drafts this step (the target decodes it plainly).
 """
@@ -21,8 +21,8 @@ from ridge.config import EngineConfig, ModelConfig, SpeculativeConfig, model_dir
 from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Sequence
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput
-from ridge.layers.spec_sampling import draft_probs, sample_probs
-from ridge.spec.proposer import Proposal
+from ridge.engine.spec.rejection import draft_probs, sample_probs
+from ridge.engine.spec.proposer import Proposal
 
 
 def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConfig, ModelConfig]:

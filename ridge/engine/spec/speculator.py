@@ -1,31 +1,25 @@
 """Speculative decoding, the engine's side: which sequences speculate this step and with how many
 drafts, the target's verification of the drafts, and the counters vLLM reports.
 
-A step with drafts is an ordinary step of the engine's loop: before the schedule, `plan` asks
-the proposer for each decoding sequence's drafts (stored on the sequence); the scheduler
-schedules the sequence's last token plus its drafts as one chunk (pages for all of them; drafts
-past the token budget are dropped); the runner computes that chunk through the paged attention
-kernels like any multi-token chunk and returns logits for its last num_draft + 1 rows; `verify`
-turns them into the target's distributions (sampling parameters and penalties applied per
-position, ridge/layers/spec_sampling.py) and keeps the prefix that exact rejection sampling
-accepts, plus one token from the target. The engine commits those tokens one position at a time
-(so stop tokens, stop strings and max_tokens cut an accepted run where plain decoding would), and
-the scheduler then sets the sequence's cache length to the last accepted draft and returns the
-pages only rejected drafts used.
+A step with drafts is an ordinary step of the engine's loop, entered through `Speculator.step`
+(a SpecStep around the step): before the schedule, `plan` asks the proposer for each decoding
+sequence's drafts (stored on the sequence); the scheduler schedules the sequence's last token plus
+its drafts as one chunk (pages for all of them; drafts past the token budget are dropped); the
+runner computes that chunk through the paged attention kernels like any multi-token chunk and
+returns logits for its last num_draft + 1 rows; `verify` turns them into the target's
+distributions (sampling parameters and penalties applied per position, rejection.py) and keeps
+the prefix that exact rejection sampling accepts, plus one token from the target. The engine
+commits those tokens one position at a time (Committer.commit_runs: stop tokens, stop strings and
+max_tokens cut an accepted run where plain decoding would), and the scheduler then sets the
+sequence's cache length to the last accepted draft and returns the pages only rejected drafts used.
 
 When it runs. Speculation pays while a verify pass over k + 1 tokens a sequence costs about one
 decode step, i.e. while it is memory-bound (seed 002: the weights are read once per pass whatever
 the row count). `memory_bound_batch` finds the largest batch for which the model's own cost model
 (`model.cost`, the roofline's) puts a verify step's FLOPs at the measured matmul roof under its
 bytes at the measured bandwidth; above it no sequence speculates (vLLM's `disable_by_batch_size`,
-which overrides it). The cost model does not see host work: a small model whose decode step is a
-fraction of a millisecond is bound by launches and the host, where drafting (a draft model's
-steps, each read back) and verifying cost more than the tokens they save. So the engine also
-times its decode steps (`StepClock`: seconds per emitted token, by batch size, with and without
-drafts) and a batch size whose speculating steps are slower per token than plain ones stops
-speculating; a run of PROBE_STEPS steps the other way re-times it, every PROBE steps or more (as
-many as keep the probes under PROBE_COST of the time), so a change (longer contexts, better drafts)
-is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens). Per sequence, the drafts'
+which overrides it). Below it, the step clock (clock.py) times the engine's decode steps and
+stops drafting at a batch size where they do not pay. Per sequence, the drafts'
 measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted + rejections)
 over a decaying window (used once MIN_TRIALS trials are in) picks the k that maximises the
 expected tokens per unit of verify cost,
@@ -41,19 +35,22 @@ requests give plain decoding's tokens whether they speculate or not.
 """
 from __future__ import annotations
 
-import math
+import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ridge.config import EngineConfig, ModelConfig, SpeculativeConfig
 from ridge.engine.request import Sequence, SeqStatus
+from ridge.engine.spec.clock import StepClock
+from ridge.engine.spec.metrics import SpecCounters, record
+from ridge.engine.spec.ngram import NgramProposer
+from ridge.engine.spec.proposer import Proposal, Proposer
+from ridge.engine.spec.rejection import target_probs, verify
 from ridge.layers.cost import StepShape
 from ridge.layers.sampler import info_on_host, logprob_info
-from ridge.layers.spec_sampling import target_probs, verify
 from ridge.runner.model_runner import plain_greedy
-from ridge.spec.ngram import NgramProposer
-from ridge.spec.proposer import Proposal, Proposer
 
 OVERHEAD = 0.1        # a verify step's extra cost over a plain decode step (eager chunk vs graph replay)
 PAUSE = 16            # output tokens a sequence goes without drafts after its drafts stop paying
@@ -61,98 +58,7 @@ MAX_PAUSE = 256
 DECAY = 0.8           # weight of the acceptance history per verify step
 MIN_TRIALS = 3.0      # decayed trials before the acceptance estimate sets k or pauses
 VERIFY_CONTEXT = 1024  # the context length the cutoff's cost model assumes
-PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
-MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
-PROBE_STEPS = 4       # steps a way is timed over (its first timing, a probe): one verify step emits 1..k + 1
-PROBE_COST = 0.02     # the most of the time a probe of the losing way may cost, over the steps between probes
-MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
-CLOCK_DECAY = 0.8     # weight of the timing history per observed step
 
-
-@dataclass
-class _Run:
-    """A run of PROBE_STEPS steps timing one way (speculated or not) at one batch size."""
-    speculated: bool
-    steps_left: int = PROBE_STEPS
-    tokens: int = 0
-    seconds: float = 0.0
-    other_steps: int = 0      # steps of the other way while this run waited
-
-
-class StepClock:
-    """Seconds per emitted token of pure decode steps, by batch size (powers of two) and by whether
-    they verified drafts; decides whether speculating pays at a batch size.
-
-    A way is timed over a run of PROBE_STEPS steps (its first timing, and each probe of the losing
-    way), and the run's own seconds over its own tokens replace that way's estimate: a verify step
-    emits anywhere from 1 to k + 1 tokens, so one step decides nothing, and the losing way's history
-    is `interval` steps old by the time it is probed. The winning way, timed every step it runs,
-    keeps a decayed average."""
-
-    def __init__(self):
-        self.per_token: dict[tuple[int, bool], float] = {}
-        self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
-        self.interval: dict[int, int] = {}                # steps between probes of the losing way
-        self.probe: dict[int, _Run] = {}                  # bucket -> the run timing one way now
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return max(batch, 1).bit_length()
-
-    def _spec_wins(self, b: int) -> bool | None:
-        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
-        return None if spec is None or plain is None else spec <= plain * (1 + MARGIN)
-
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        b = self.bucket(batch)
-        self.since[(b, speculated)] = 0
-        self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
-        run = self.probe.get(b)
-        if run is not None and run.speculated == speculated:
-            run.steps_left, run.tokens, run.seconds = run.steps_left - 1, run.tokens + tokens, run.seconds + seconds
-            if run.steps_left == 0:                              # the run is over: its own figure
-                del self.probe[b]
-                before = self._spec_wins(b)
-                self.per_token[(b, speculated)] = run.seconds / max(run.tokens, 1)
-                after = self._spec_wins(b)
-                if after is not None:
-                    # it re-timed the losing way and that lost again: probe half as often
-                    lost = before is not None and before != speculated and after == before
-                    grown = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
-                    self.interval[b] = max(grown, self.affordable_interval(b))
-            return
-        if run is not None:          # the other way ran (e.g. no sequence had drafts): give the run up
-            run.other_steps += 1     # after a while, so a probe nothing can finish does not stay open
-            if run.other_steps > 2 * PROBE_STEPS:
-                del self.probe[b]
-        x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
-        self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
-
-    def affordable_interval(self, b: int) -> int:
-        """Steps between probes of the losing way that keep a probe's cost under PROBE_COST: a run of
-        PROBE_STEPS losing steps takes (1 - winner/loser seconds a token) of its time more than the
-        winner would for the same tokens, against the interval's steps (steps of either way taken as
-        equally long: a memory-bound verify step costs 1.1-1.3 plain ones). A way that loses by 3x
-        is re-timed every ~130 steps, not every 32 (the 70B's 4-step plain probes were ~7% of its steps)."""
-        spec, plain = self.per_token[(b, True)], self.per_token[(b, False)]
-        ratio = min(spec, plain) / max(spec, plain, 1e-12)
-        return min(MAX_PROBE, max(PROBE, math.ceil(PROBE_STEPS * (1 - ratio) / PROBE_COST)))
-
-    def pays(self, batch: int) -> bool:
-        """Speculate at this batch size: first a run of each way (drafts first), then while drafts
-        are no slower per token, with a run of the losing way every interval steps to re-time it."""
-        b = self.bucket(batch)
-        if b in self.probe:
-            return self.probe[b].speculated
-        wins = self._spec_wins(b)
-        if wins is None:
-            way = (b, True) not in self.per_token                # time the way not yet timed
-        elif self.since.get((b, not wins), 0) >= self.interval.get(b, PROBE):
-            way = not wins                                       # the loser has waited: re-time it
-        else:
-            return wins
-        self.probe[b] = _Run(way)
-        return way
 
 
 @dataclass
@@ -200,12 +106,16 @@ class Speculator:
         self.k, self.proposer, self.runner, self.cutoff = spec.num_speculative_tokens, proposer, runner, cutoff
         self.max_model_len, self.eos_ids, self.draft_cost = max_model_len, eos_ids, draft_cost
         self.acceptance: dict[int, Acceptance] = {}
-        self.clock = StepClock()
+        self.clock = StepClock()                # ridge/engine/spec/clock.py: whether drafting pays now
         self.proposal: Proposal | None = None
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
         self.proposed: set[int] = set()         # sequences the proposer may keep state for
-        # totals since start (vLLM: spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.counters = SpecCounters()          # totals since start (ridge/engine/spec/metrics.py)
+
+    def step(self, scheduler, committer, overlapped: bool) -> "SpecStep":
+        """The engine's one call per step, before its schedule: the step's speculation (a context
+        around the step; see SpecStep)."""
+        return SpecStep(self, scheduler, committer, overlapped)
 
     def _limit(self, seq: Sequence, batch: int, decoding: bool = True) -> int:
         """Drafts the sequence may take this step (0: it does not speculate); `decoding`: only if
@@ -308,13 +218,60 @@ class Speculator:
             acc.pause = min(2 * acc.pause, MAX_PAUSE)  # the history stays: a failed retry pauses again
         else:
             acc.pause = PAUSE
-        req = seq.request
-        req.num_drafts += 1
-        req.num_draft_tokens += drafted
-        req.num_accepted_tokens += accepted
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
+        record(self.counters, seq.request, drafted, accepted)
+
+
+@dataclass
+class Verified:
+    """A step's sampling items after verification: those with drafts, each one's emitted tokens
+    (accepted drafts, then the target's own) and per token its logprob info or None; and for the
+    items without drafts (a prompt's last chunk, a decode without drafts), in order, the logits row
+    each samples from as in a plain step."""
+    items: list
+    tokens: list[list[int]]
+    infos: list[list[tuple | None]]
+    plain_rows: list[int]
+
+
+class SpecStep:
+    """One engine step's speculation, entered before the schedule and left when the step has
+    committed. On entry it plans the step's drafts (the proposer's, stored on the sequences the
+    scheduler then schedules with them), or, for a step that commits an overlapped one, decides
+    whether the next step drafts (`drafts_next`: the engine then launches no step ahead, drafts need
+    its ids). `verify` turns the forward's logits into each drafted sequence's tokens. On leaving, the
+    step's time per token goes to the step clock ("plain" or "verify" decode steps; `kind`)."""
+
+    def __init__(self, spec: Speculator, scheduler, committer, overlapped: bool):
+        self.spec, self.scheduler, self.committer = spec, scheduler, committer
+        self.t0, self.tokens0, self.batch = time.perf_counter(), committer.generation_tokens, len(scheduler.running)
+        self.kind: str | None = None
+        self.drafts_next = False
+        if overlapped:
+            self.kind, self.drafts_next = "plain", spec.active(scheduler.running)
+        else:
+            spec.plan(scheduler.running)
+
+    def __enter__(self) -> "SpecStep":
+        return self
+
+    def __exit__(self, error, *_) -> None:
+        if error is None:
+            self.spec.clock.time_step(self.kind, self.batch, self.committer.generation_tokens - self.tokens0,
+                                      time.perf_counter() - self.t0)
+
+    def keeps_drafting(self) -> bool:
+        """After a plain decode step: whether a running sequence gets drafts at its next step."""
+        return self.spec.active(self.scheduler.running)
+
+    def verify(self, items: list, logits: torch.Tensor, decoding: bool) -> Verified:
+        """items: the step's sampling items, num_draft + 1 rows of `logits` each, in order; `decoding`:
+        every scheduled sequence decodes (a verify step the clock times)."""
+        self.kind = "verify" if decoding else None
+        ends = list(itertools.accumulate(i.num_draft + 1 for i in items))
+        spec = [i for i in items if i.num_draft]
+        rows = [r for e, i in zip(ends, items) if i.num_draft for r in range(e - i.num_draft - 1, e)]
+        tokens, infos = self.spec.verify(spec, logits[self.spec.runner.to_device(rows, torch.int64)])
+        return Verified(spec, tokens, infos, [e - 1 for e, i in zip(ends, items) if not i.num_draft])
 
 
 def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_progress: bool):
@@ -329,7 +286,7 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
         proposer, draft_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                              spec.num_speculative_tokens), 0.0
     else:
-        from ridge.engine.draft_model import DraftModelProposer, draft_config
+        from ridge.engine.spec.draft_model import DraftModelProposer, draft_config
         from ridge.runner.model_runner import ModelRunner
         draft_cfg, draft_model_cfg = draft_config(cfg, spec)
         draft_runner = ModelRunner(draft_cfg, draft_model_cfg, show_progress=show_progress)
@@ -343,4 +300,3 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
         cutoff = memory_bound_batch(runner.model, spec.num_speculative_tokens, cfg.dtype, load_ceilings(cfg.device),
                                     cfg.max_num_seqs)
     return Speculator(spec, proposer, runner, cutoff, cfg.max_model_len, eos, draft_cost), draft_runner
-
