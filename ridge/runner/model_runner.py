@@ -139,6 +139,13 @@ class ModelRunner:
         for g in filter(None, (self.decode_graphs, self.verify_graphs)):
             g.release()
 
+    def close(self) -> None:
+        """Drop what this runner holds on its device: the CUDA graphs (a graph is destroyed with its
+        object, their memory pool with the last one), the KV pool, the model and the pinned landing
+        buffers. Idempotent."""
+        self.decode_graphs = self.verify_graphs = self.kv_cache = self.kv_scales = self.model = None
+        self.layer_caches, self._landing = [], []
+
     def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only
         with the Triton backend (the torch reference reads host-side lengths a graph cannot see
