@@ -226,7 +226,7 @@ def test_gpu_fused_kernel_captures_in_a_cuda_graph_and_the_backend_uses_it():
     def step():
         return rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots)
 
-    graph, (q_out, k_out, v_out) = capture_cuda_graph(step)     # rope_write_kv returns (q, k, v) as attention reads them
+    graph, (q_out, k_out, v_out) = capture_cuda_graph(step)     # rope_write_kv's (q, k, v) as attention reads them
     assert v_out is v                           # a 16-bit cache: attention reads v itself
     qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda"))
     positions.copy_(torch.randint(0, 4096, (T,), generator=g, device="cuda"))
