@@ -6,6 +6,7 @@ kernel per layer: one launch and one inter-kernel gap fewer per layer in a decod
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -98,12 +99,13 @@ def attention_keys_read(query_len: int, context_len: int, window: int | None = N
     return context_len if window is None else min(context_len, query_len + window - 1)
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(nn.Module, abc.ABC):
     """An attention layer over the paged KV pool: it declares what it keeps a token
     (kv_cache_spec) and reads its pages (KVPages / LatentPages) by that declaration's fields."""
 
+    @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
-        raise NotImplementedError(f"{type(self).__name__} must declare its KV cache (kv_cache_spec)")
+        """What this layer keeps a token in each page of the pool."""
 
 
 def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
