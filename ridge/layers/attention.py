@@ -108,9 +108,13 @@ class PagedAttention(nn.Module, abc.ABC):
         """What this layer keeps a token in each page of the pool."""
 
 
-def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
-    """Each attention layer's declaration, in the model's layer order."""
-    return [m.kv_cache_spec() for m in model.modules() if isinstance(m, PagedAttention)]
+def kv_cache_spec_of(model: nn.Module) -> KVCacheSpec:
+    """What every attention layer of `model` keeps a token (this rank's KV heads): the pool is one
+    tensor for all layers, so they must declare one format."""
+    specs = {m.kv_cache_spec() for m in model.modules() if isinstance(m, PagedAttention)}
+    if len(specs) != 1:
+        raise ValueError(f"model: its attention layers declare {len(specs)} KV cache formats; the pool holds one")
+    return specs.pop()
 
 
 class Attention(PagedAttention):

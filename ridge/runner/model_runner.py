@@ -22,7 +22,7 @@ from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.kv_fp8 import FP8 as KV_FP8, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.runner.step_message import DECODE, EAGER, VERIFY, StepPlan
-from ridge.layers.attention import kv_cache_specs, select_backend
+from ridge.layers.attention import kv_cache_spec_of, select_backend
 from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
 from ridge.models.loader import load_model
 from ridge.parallel import SINGLE, TensorParallel
@@ -73,11 +73,7 @@ class ModelRunner:
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization,
                                 tp=self.tp, max_step_tokens=cfg.max_num_batched_tokens)
-        # what each attention layer keeps a token (this rank's KV heads): the pool is one tensor, so one format
-        specs = set(kv_cache_specs(self.model))
-        if len(specs) != 1:
-            raise ValueError(f"model: its attention layers declare {len(specs)} KV cache formats; the pool holds one")
-        self.kv_spec = specs.pop()
+        self.kv_spec = kv_cache_spec_of(self.model)         # the pool holds what the attention layers declare
         self.cache_row = (self.kv_spec.streams, self.kv_spec.heads, self.kv_spec.width)
         # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
         self.kv_cache, self.kv_scales, self.decode_graphs, self.verify_graphs = None, None, None, None
