@@ -51,11 +51,9 @@ def ridge_with_top5(llm, prompts, params_list):
                 params=os.environ.get("RIDGE_TEST_BACKENDS", "torch,triton,triton-eager").split(","))
 def llm(request, big):
     backend, _, mode = request.param.partition("-")
-    engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend=backend, max_model_len=4096,
-                 kv_cache_memory=16 << 30, show_progress=False, enforce_eager=mode == "eager")
-    yield engine
-    del engine
-    torch.cuda.empty_cache()
+    with LLM(big, dtype="bfloat16", device="cuda", attention_backend=backend, max_model_len=4096,
+             kv_cache_memory=16 << 30, show_progress=False, enforce_eager=mode == "eager") as engine:
+        yield engine          # closed when the next backend's engine is built: its memory is given back
 
 
 def greedy(n=N_NEW, **kw):
@@ -94,18 +92,16 @@ def test_3_preemption_chunking_prefix_caching(llm, big):
     ample = ridge_with_top5(llm, prompts, params)
     bm = llm.engine.pages
     assert bm.num_free_pages == bm.num_pages
-    small = LLM(big, dtype="bfloat16", device="cuda", attention_backend=llm.engine.runner.backend.name,
-                max_model_len=4096, kv_cache_memory=80 * llm.engine.runner.kv_bytes_per_page(),
-                max_num_batched_tokens=256, show_progress=False, max_num_seqs=16,
-                enforce_eager=llm.engine.cfg.enforce_eager)
-    outs = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
-    for (ref, top5), o in zip(ample, outs):
-        first_divergence_ok(o.outputs[0].token_ids, ref, top5)
-    sbm = small.engine.pages
-    assert sbm.num_free_pages == sbm.num_pages
-    del small
-    torch.cuda.empty_cache()
+    with LLM(big, dtype="bfloat16", device="cuda", attention_backend=llm.engine.runner.backend.name,
+             max_model_len=4096, kv_cache_memory=80 * llm.engine.runner.kv_bytes_per_page(),
+             max_num_batched_tokens=256, show_progress=False, max_num_seqs=16,
+             enforce_eager=llm.engine.cfg.enforce_eager) as small:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.engine.scheduler.num_preemptions > 0
+        for (ref, top5), o in zip(ample, outs):
+            first_divergence_ok(o.outputs[0].token_ids, ref, top5)
+        sbm = small.engine.pages
+        assert sbm.num_free_pages == sbm.num_pages
 
 
 def race_top5(hf, tokens, params, step):
@@ -153,12 +149,10 @@ def test_5_cuda_graphs_change_nothing(big):
               for i in range(len(prompts))]
     results = []
     for eager, overlap in ((False, True), (True, True), (False, False)):
-        engine = LLM(big, dtype="bfloat16", device="cuda", attention_backend="triton", max_model_len=2048,
-                     kv_cache_memory=4 << 30, max_num_seqs=32, show_progress=False, enforce_eager=eager,
-                     async_scheduling=overlap)
-        assert (engine.engine.runner.decode_graphs.graphs != {}) == (not eager)
-        results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
-        assert (engine.engine.stats().num_overlapped_steps > 0) == overlap
-        del engine
-        torch.cuda.empty_cache()
+        with LLM(big, dtype="bfloat16", device="cuda", attention_backend="triton", max_model_len=2048,
+                 kv_cache_memory=4 << 30, max_num_seqs=32, show_progress=False, enforce_eager=eager,
+                 async_scheduling=overlap) as engine:
+            assert (engine.engine.runner.decode_graphs.graphs != {}) == (not eager)
+            results.append([o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+            assert (engine.engine.stats().num_overlapped_steps > 0) == overlap
     assert results[0] == results[1] == results[2]

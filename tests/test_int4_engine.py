@@ -127,9 +127,8 @@ def test_gpu_graphs_and_overlapped_decode_give_the_eager_tokens(checkpoints):
     outs = {}
     for name, kw in {"eager": dict(enforce_eager=True, async_scheduling=False), "graphs": dict(async_scheduling=False),
                      "overlap": dict(async_scheduling=True)}.items():
-        engine = llm(src, quantization="int4", dtype="bfloat16", device="cuda", **kw)
-        outs[name] = [[o.outputs[0].token_ids for o in engine.generate(prompts, p, use_tqdm=False)] for p in params]
-        if name == "overlap":
-            assert engine.engine.stats().num_overlapped_steps > 0
-        del engine
+        with llm(src, quantization="int4", dtype="bfloat16", device="cuda", **kw) as engine:
+            outs[name] = [[o.outputs[0].token_ids for o in engine.generate(prompts, p, use_tqdm=False)] for p in params]
+            if name == "overlap":
+                assert engine.engine.stats().num_overlapped_steps > 0
     assert outs["graphs"] == outs["eager"] and outs["overlap"] == outs["eager"]

@@ -139,17 +139,15 @@ def test_moe_engine_matches_transformers_and_graphs_change_nothing(moe_ckpt):
               for i in range(len(prompts))]
     results = []
     for eager, overlap in ((False, True), (True, True), (False, False)):
-        llm = LLM(moe_ckpt, dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=1 << 30,
-                  max_num_seqs=32, show_progress=False, enforce_eager=eager, async_scheduling=overlap)
-        assert (llm.engine.runner.decode_graphs.graphs != {}) == (not eager)
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        if not eager and overlap:
-            outs = llm.generate(prompts[:4], greedy(), use_tqdm=False)
-            target = prompt_of(13, salt=99)
-            alone = llm.generate([target], greedy(), use_tqdm=False)[0].outputs[0]
-            batched = llm.generate(prompts + [target], greedy(), use_tqdm=False)[-1].outputs[0]
-        del llm
-        torch.cuda.empty_cache()
+        with LLM(moe_ckpt, dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=1 << 30,
+                 max_num_seqs=32, show_progress=False, enforce_eager=eager, async_scheduling=overlap) as llm:
+            assert (llm.engine.runner.decode_graphs.graphs != {}) == (not eager)
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            if not eager and overlap:
+                outs = llm.generate(prompts[:4], greedy(), use_tqdm=False)
+                target = prompt_of(13, salt=99)
+                alone = llm.generate([target], greedy(), use_tqdm=False)[0].outputs[0]
+                batched = llm.generate(prompts + [target], greedy(), use_tqdm=False)[-1].outputs[0]
     assert results[0] == results[1] == results[2]
     hf = AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.bfloat16, device_map="cuda").eval()
     for p, o in zip(prompts[:4], outs):

@@ -160,12 +160,11 @@ def test_gpu_demo_model_fp8_kv_logprobs_match_the_torch_backend():
     got, tokens = {}, {}
     for name, kw in (("bf16", dict()), ("torch", dict(kv_cache_dtype="fp8", attention_backend="torch")),
                      ("triton", dict(kv_cache_dtype="fp8"))):
-        llm = LLM(dtype="bfloat16", enforce_eager=name != "triton", kv_cache_memory=2**28, **kw)
-        outs = llm.generate(ids, params, use_tqdm=False)
-        got[name] = torch.tensor([lp for o in outs for lp in token_logprobs(o)])
-        outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
-        tokens[name] = [o.outputs[0].token_ids for o in outs]
-        del llm
+        with LLM(dtype="bfloat16", enforce_eager=name != "triton", kv_cache_memory=2**28, **kw) as llm:
+            outs = llm.generate(ids, params, use_tqdm=False)
+            got[name] = torch.tensor([lp for o in outs for lp in token_logprobs(o)])
+            outs = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
     for a, b in zip(tokens["triton"], tokens["torch"]):   # a near-tie may flip late, never early
         assert a[:8] == b[:8], (a, b)
     assert (got["triton"] - got["torch"]).abs().mean() < 0.05, (got["triton"] - got["torch"]).abs().mean()

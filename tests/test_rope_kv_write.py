@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from test_fused_kernels import apply_rotary, assert_rotary_bf16, rope_truth  # noqa: E402
 from test_fused_kernels_gpu import fresh_generator  # noqa: E402
 
-from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
+from ridge.kernels.attention_meta import AttentionMetadata, KVPages  # noqa: E402
 from ridge.kernels.attention_ref import write_kv_ref  # noqa: E402
 from ridge.kernels.rotary import apply_rotary_ref, rope_write_kv, rope_write_kv_ref  # noqa: E402
 from ridge.layers.attention import TORCH_BACKEND, Attention, select_backend  # noqa: E402
@@ -181,7 +181,7 @@ def test_attention_layer_rotates_through_its_backend():
                              seq_lens=torch.tensor([5], dtype=torch.int32),
                              page_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc_cpu=[0, 5],
                              seq_lens_cpu=[5], max_query_len=5, max_seq_len=5)
-    layer(positions, q, k, v, (kc, vc), meta)
+    layer(positions, q, k, v, KVPages(kc, vc), meta)
     args = seen["rope"]
     assert args[0] is positions and args[1] is q and args[2] is k and args[3] is v
     assert args[4] is rope.cos and args[5] is rope.sin and args[6] is kc and args[7] is vc
@@ -226,7 +226,8 @@ def test_gpu_fused_kernel_captures_in_a_cuda_graph_and_the_backend_uses_it():
     def step():
         return rope_write_kv(positions, q, k, v, rope.cos, rope.sin, kc, vc, slots)
 
-    graph, (q_out, k_out) = capture_cuda_graph(step)
+    graph, (q_out, k_out, v_out) = capture_cuda_graph(step)     # rope_write_kv's (q, k, v) as attention reads them
+    assert v_out is v                           # a 16-bit cache: attention reads v itself
     qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda"))
     positions.copy_(torch.randint(0, 4096, (T,), generator=g, device="cuda"))
     new_slots = torch.randperm(4 * PAGE, generator=g, device="cuda")[:T]

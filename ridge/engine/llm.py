@@ -1,10 +1,12 @@
 """`LLM`: the offline Python API (the shape vLLM users know)."""
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import weakref
 
+import torch
 from tqdm.auto import tqdm
 
 from ridge.config import EngineConfig
@@ -18,6 +20,20 @@ from ridge.runner.model_runner import ModelRunner
 from ridge.parallel import launched
 from ridge.runner.workers import WorkerPool, serve_launched
 from ridge.settings import fields as setting_fields
+
+
+def release_devices(workers, runners: list) -> None:
+    """Give back what an LLM holds on its devices: the tensor-parallel workers stop (rank 0's CUDA
+    graphs go before it leaves the group), each runner drops its graphs, KV pool and model, then
+    whatever only reference cycles still held is collected and the caching allocator's free blocks
+    go back to the driver, so the next engine in this process finds the memory free."""
+    if workers is not None:
+        workers.close()
+    for runner in runners:
+        runner.close()
+    gc.collect()
+    if any(r.device.type == "cuda" for r in runners):
+        torch.cuda.empty_cache()
 
 
 def load_tokenizer(path: str):
@@ -62,9 +78,10 @@ class LLM:
             if workers is not None:
                 workers.close()
             raise
-        # the workers stop (and the ring's segment goes) when the LLM is closed or collected, or at exit
+        # the devices are given back (the workers stop, the ring's segment goes) when the LLM is closed or
+        # collected, or at exit; the finaliser holds the runners, not the LLM
         self._workers = workers
-        self._close = weakref.finalize(self, workers.close) if workers is not None else lambda: None
+        self._close = weakref.finalize(self, release_devices, workers, [r for r in (runner, draft_runner) if r])
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
@@ -79,6 +96,7 @@ class LLM:
         in a text prompt (`<|eot_id|>`) are plain text unless `parse_special_tokens=True`."""
         if not isinstance(parse_special_tokens, bool):
             raise ValueError(f"parse_special_tokens: must be true or false, got {parse_special_tokens!r}")
+        self._check_open()
         prompts = prompt_list(prompts)
         sampling_params = sampling_list(sampling_params, len(prompts))
         if parse_special_tokens and self.encoder is not None:
@@ -95,9 +113,16 @@ class LLM:
             raise
 
     def close(self) -> None:
-        """Stop a tensor-parallel engine's worker processes and remove its shared memory (also done
-        when the LLM is garbage-collected or the interpreter exits); nothing to do for one rank."""
+        """Give back the engine's device memory (CUDA graphs, KV pool, weights) and stop a
+        tensor-parallel engine's worker processes and remove its shared memory; also done when the
+        LLM is garbage-collected or the interpreter exits, and at the end of a `with` block.
+        Idempotent; a closed LLM refuses to generate."""
         self._close()
+
+    def _check_open(self) -> None:
+        if not self._close.alive:
+            raise RuntimeError("LLM: this engine is closed (close() or its `with` block gave its device memory "
+                               "back); build a new LLM to generate")
 
     def on_failure(self, callback) -> None:
         """Have `callback(message)` called, from another thread, as soon as a tensor-parallel rank
@@ -114,11 +139,13 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (an unknown or finished id is ignored, as in vLLM)."""
+        self._check_open()
         self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
+        self._check_open()
         if self.encoder is None:
             raise ValueError("messages: this checkpoint has no tokenizer")
         if not isinstance(messages, (list, tuple)) or not messages:

@@ -6,15 +6,17 @@ kernel per layer: one launch and one inter-kernel gap fewer per layer in a decod
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.attention_meta import AttentionMetadata, KVCacheSpec, KVPages
 from ridge.kernels.attention_ref import paged_attention_ref
 from ridge.kernels.attention_triton import triton_paged_attention
+from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.cost import OpCost, StepShape
@@ -32,6 +34,14 @@ class AttentionBackend:
     # the +-1 Hadamard matrix [head_dim, head_dim] that rotates q and k before an FP8 cache
     # quantizes k (--kv-cache-hadamard; ridge/kernels/kv_fp8.py), or None
     kv_rotation: torch.Tensor | None = None
+    # what the layers' pages hold: the model dtype, or e4m3 with a scale byte a row (ridge/kernels/kv_fp8.py);
+    # None: a backend the caller gives its own caches (no pool declared)
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_scale_dtype(self) -> torch.dtype | None:
+        """The scale of each cached row: an FP8 cache's rows carry one, others none."""
+        return KV_SCALE_DTYPE if self.kv_cache_dtype == KV_FP8 else None
 
 
 # the reference reads every key, new ones included, back from the cache: the oracle
@@ -41,8 +51,10 @@ TORCH_BACKEND = AttentionBackend("torch", rope_write_kv_ref,
 
 
 def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128,
-                   kv_rotation: torch.Tensor | None = None, latent_rank: int | None = None) -> AttentionBackend:
-    """latent_rank: an MLA model's kv_lora_rank (its kernels tile the latent, any rotary width)."""
+                   kv_rotation: torch.Tensor | None = None, latent_rank: int | None = None,
+                   kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """latent_rank: an MLA model's kv_lora_rank (its kernels tile the latent, any rotary width);
+    kv_cache_dtype: the pool's (AttentionBackend.kv_cache_dtype)."""
     if latent_rank is not None:
         triton_ok = latent_rank & (latent_rank - 1) == 0
         need = f"a power-of-two kv_lora_rank, this model has {latent_rank}"
@@ -50,11 +62,11 @@ def select_backend(device: torch.device, name: str = "auto", head_dim: int = 128
         triton_ok, need = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0, \
             f"a power-of-two head_dim in [16, 256], this model has {head_dim}"
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_ok)):
-        return TORCH_BACKEND if kv_rotation is None else replace(TORCH_BACKEND, kv_rotation=kv_rotation)
+        return replace(TORCH_BACKEND, kv_rotation=kv_rotation, kv_cache_dtype=kv_cache_dtype)
     if not triton_ok:
         raise ValueError(f"attention_backend: the triton kernels need {need}")
     if name in ("auto", "triton"):
-        return AttentionBackend("triton", rope_write_kv, triton_paged_attention, kv_rotation)
+        return AttentionBackend("triton", rope_write_kv, triton_paged_attention, kv_rotation, kv_cache_dtype)
     raise ValueError(f"attention_backend: unknown backend {name!r}; expected auto, torch or triton")
 
 
@@ -87,21 +99,45 @@ def attention_keys_read(query_len: int, context_len: int, window: int | None = N
     return context_len if window is None else min(context_len, query_len + window - 1)
 
 
-class Attention(nn.Module):
+class PagedAttention(nn.Module, abc.ABC):
+    """An attention layer over the paged KV pool: it declares what it keeps a token
+    (kv_cache_spec) and reads its pages (KVPages / LatentPages) by that declaration's fields."""
+
+    @abc.abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What this layer keeps a token in each page of the pool."""
+
+
+def kv_cache_spec_of(model: nn.Module) -> KVCacheSpec:
+    """What every attention layer of `model` keeps a token (this rank's KV heads): the pool is one
+    tensor for all layers, so they must declare one format."""
+    specs = {m.kv_cache_spec() for m in model.modules() if isinstance(m, PagedAttention)}
+    if len(specs) != 1:
+        raise ValueError(f"model: its attention layers declare {len(specs)} KV cache formats; the pool holds one")
+    return specs.pop()
+
+
+class Attention(PagedAttention):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.backend, self.rotary = head_dim ** -0.5, sliding_window, backend, rotary
 
-    def forward(self, positions, q, k, v, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata):
-        """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]. kv_cache:
-        (k_cache, v_cache), or for an FP8 cache (k_cache, v_cache, k_scale, v_scale)."""
-        k_cache, v_cache, *scales = kv_cache
-        kv_scales = tuple(scales) or None
-        q, k, v = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                                             meta.slot_mapping, kv_scales, self.backend.kv_rotation)
-        return self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window,
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """A K and a V row a token and kv head, in the backend's cache dtype (FP8: a scale byte a row)."""
+        if self.backend.kv_cache_dtype is None:
+            raise ValueError(f"attention backend {self.backend.name!r}: no kv_cache_dtype, so no pool to declare")
+        return KVCacheSpec(2, self.num_kv_heads, self.head_dim, self.backend.kv_cache_dtype,
+                           self.backend.kv_scale_dtype)
+
+    def forward(self, positions, q, k, v, kv_cache: KVPages, meta: AttentionMetadata):
+        """q: [T, H, d], k, v: [T, kvh, d], not yet rotated (any strides); positions: [T]; kv_cache:
+        this layer's pages (its k_scale, v_scale for an FP8 cache)."""
+        kv_scales = kv_cache.scales
+        q, k, v = self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin, kv_cache.k,
+                                             kv_cache.v, meta.slot_mapping, kv_scales, self.backend.kv_rotation)
+        return self.backend.attend(q, k, v, kv_cache.k, kv_cache.v, meta, self.scale, self.sliding_window,
                                    kv_scales=kv_scales)
 
     def cost(self, step: StepShape) -> list[OpCost]:

@@ -22,22 +22,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ridge.kernels.attention_meta import AttentionMetadata
+from ridge.kernels.attention_meta import AttentionMetadata, KVCacheSpec, LatentPages
 from ridge.kernels.mla_attention import (absorb_query, mla_attention_ref, mla_decode_attention, rope_write_latent,
                                          rope_write_latent_ref, unabsorb_output)
 from ridge.kernels.mla_prefill import mla_prefill_attention
-from ridge.layers.attention import AttentionBackend, attention_keys_read, attention_pairs
+from ridge.layers.attention import AttentionBackend, PagedAttention, attention_keys_read, attention_pairs
 from ridge.layers.cost import OpCost, StepShape
 from ridge.layers.rotary import RotaryEmbedding
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(PagedAttention):
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, scale: float,
                  rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = \
             num_heads, kv_lora_rank, nope_dim, rope_dim, v_dim
-        self.scale, self.rotary = scale, rotary
+        self.scale, self.rotary, self.backend = scale, rotary, backend
         # the Triton backend (the interpreter's static decode path on a CPU) or CUDA: the cache
         # write and decode-only steps run the kernels; the torch backend on a CPU, the references
         self.kernels = backend.name == "triton"
@@ -45,11 +45,19 @@ class LatentAttention(nn.Module):
         # the prefill kernel splits its dot products at nope | rope and tiles the values
         self.prefill_fits = all(d >= 16 and d & (d - 1) == 0 for d in (nope_dim, rope_dim, v_dim))
 
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One [latent, k_pe] row a token for all heads, in the backend's cache dtype."""
+        dtype = self.backend.kv_cache_dtype
+        if dtype is None or self.backend.kv_scale_dtype is not None:
+            raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet"
+                             if dtype is not None else "latent attention: the backend has no kv_cache_dtype")
+        return KVCacheSpec(1, 1, self.kv_lora_rank + self.rope_dim, dtype, latent=True)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                kv_b_weight: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+                kv_b_weight: torch.Tensor, kv_cache: LatentPages, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, nope + rope], latent [T, r] (normalised), k_pe [T, rope], not yet rotated;
-        kv_b_weight [H (nope + v), r]; kv_cache (latent cache,) -> [T, H, v]."""
-        (cache,) = kv_cache
+        kv_b_weight [H (nope + v), r]; kv_cache: this layer's latent pages -> [T, H, v]."""
+        cache = kv_cache.latent
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kernels = self.kernels or (q.is_cuda and self.kernels_fit)
         q_pe = (rope_write_latent if kernels else rope_write_latent_ref)(positions, q_pe, latent, k_pe, self.rotary.cos,

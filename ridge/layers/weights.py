@@ -6,6 +6,9 @@ tensors and dispatches them by name.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
+
 import torch
 
 
@@ -18,7 +21,24 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+class LayerLoader:
+    """A layer's own loader method, held weakly: the layer holds the parameter, so a parameter
+    holding its layer would make a reference cycle, and a model in cycles outlives its last user
+    (its weights stay on the device) until the garbage collector happens to run."""
+
+    def __init__(self, method):
+        self.method = weakref.WeakMethod(method)
+
+    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        method = self.method()
+        if method is None:
+            raise RuntimeError("weight_loader: the layer owning this parameter no longer exists")
+        method(param, loaded, shard_id)
+
+
 def set_weight_loader(param: torch.nn.Parameter, loader=default_weight_loader, shard_ids=None):
-    """Attach a loader (and the shard ids it expects) to a parameter; returns the parameter."""
-    param.weight_loader, param.shard_ids = loader, tuple(shard_ids) if shard_ids is not None else None
+    """Attach a loader (and the shard ids it expects) to a parameter; returns the parameter. A
+    layer's bound method is held weakly (LayerLoader)."""
+    param.weight_loader = LayerLoader(loader) if inspect.ismethod(loader) else loader
+    param.shard_ids = tuple(shard_ids) if shard_ids is not None else None
     return param

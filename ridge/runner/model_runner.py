@@ -19,10 +19,10 @@ import torch
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
-from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE, hadamard_signs
+from ridge.kernels.kv_fp8 import FP8 as KV_FP8, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.runner.step_message import DECODE, EAGER, VERIFY, StepPlan
-from ridge.layers.attention import rank_heads, select_backend
+from ridge.layers.attention import kv_cache_spec_of, select_backend
 from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
 from ridge.models.loader import load_model
 from ridge.parallel import SINGLE, TensorParallel
@@ -65,19 +65,16 @@ class ModelRunner:
                  tp: TensorParallel = SINGLE, workers=None):
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
         self.workers, self.tp = workers, workers.tp if workers is not None else tp
-        streams, heads, width = model_cfg.cache_row
-        if model_cfg.mla is None:           # this rank's KV heads (a copy of one where ranks outnumber them)
-            heads = rank_heads(model_cfg.num_heads, model_cfg.num_kv_heads, self.tp)[1]
-        self.cache_row = (streams, heads, width)
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
-        if model_cfg.mla is not None and (cfg.fp8_kv_cache or cfg.kv_cache_hadamard):
-            raise ValueError("kv_cache_dtype: an FP8 cache is not supported for latent attention (DeepSeek) yet")
         self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation,
-                                      model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None)
+                                      model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None,
+                                      KV_FP8 if cfg.fp8_kv_cache else cfg.dtype)
         self.model = load_model(cfg.model, model_cfg, cfg.dtype, cfg.device, self.backend,
                                 max_position=max(cfg.max_model_len, 1), show_progress=show_progress,
                                 load_format=cfg.load_format, seed=cfg.seed, quantization=cfg.quantization,
                                 tp=self.tp, max_step_tokens=cfg.max_num_batched_tokens)
+        self.kv_spec = kv_cache_spec_of(self.model)         # the pool holds what the attention layers declare
+        self.cache_row = (self.kv_spec.streams, self.kv_spec.heads, self.kv_spec.width)
         # set by allocate_kv_cache (kv_scales: an FP8 cache's scale bytes, else None), setup_decode
         self.kv_cache, self.kv_scales, self.decode_graphs, self.verify_graphs = None, None, None, None
         self.warm_up_seconds = 0.0
@@ -98,33 +95,26 @@ class ModelRunner:
             o.on_step_end(phase, arg)
         return out
 
-    def kv_bytes_per_row(self) -> int:
-        """Bytes of one cached row (a token's K or V of one kv head, or its MLA latent row): FP8
-        adds its scale byte."""
-        d = self.cache_row[2]
-        return d + 1 if self.cfg.fp8_kv_cache else d * self.cfg.dtype.itemsize
-
     def kv_element_bytes(self) -> float | None:
-        """Bytes per cached K/V element when the cache is not in the model dtype (FP8), else None."""
-        return self.kv_bytes_per_row() / self.model_cfg.head_dim if self.cfg.fp8_kv_cache else None
+        """Bytes per cached element (its row's scale included) when the cache is not in the model
+        dtype (FP8), else None."""
+        s = self.kv_spec
+        return s.row_bytes / s.width if s.dtype != self.cfg.dtype else None
 
     def kv_bytes_per_page(self) -> int:
-        streams, heads, _ = self.cache_row
-        return streams * self.model_cfg.num_layers * self.cfg.page_size * heads * self.kv_bytes_per_row()
+        return self.model_cfg.num_layers * self.kv_spec.page_bytes(self.cfg.page_size)
 
     def allocate_kv_cache(self, num_pages: int) -> None:
-        """One pool for all layers: [layers, streams, pages, page size, heads, width] - streams K
-        and V of kv heads x head dim, or MLA's one latent row (ModelConfig.cache_row) - in the
-        model dtype or e4m3 with scale bytes [layers, 2, pages, page size, kv heads] beside it."""
-        m = self.model_cfg
-        streams, heads, width = self.cache_row
-        shape = (m.num_layers, streams, num_pages, self.cfg.page_size, heads)
-        dtype = KV_FP8 if self.cfg.fp8_kv_cache else self.cfg.dtype
-        self.kv_cache = torch.empty(*shape, width, dtype=dtype, device=self.device)
-        self.layer_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(m.num_layers)]
-        if self.cfg.fp8_kv_cache:
-            self.kv_scales = torch.ones(shape, dtype=KV_SCALE_DTYPE, device=self.device)
-            self.layer_caches = [(*c, self.kv_scales[i, 0], self.kv_scales[i, 1]) for i, c in enumerate(self.layer_caches)]
+        """One pool for all layers, as the attention layers declare it (KVCacheSpec): rows [layers,
+        streams, pages, page size, heads, width] and, for a scaled format, their scales [layers,
+        streams, pages, page size, heads] beside them; each layer's pages are views of its slice."""
+        s = self.kv_spec
+        shape = (self.model_cfg.num_layers, s.streams, num_pages, self.cfg.page_size, s.heads)
+        self.kv_cache = torch.empty(*shape, s.width, dtype=s.dtype, device=self.device)
+        if s.scale_dtype is not None:
+            self.kv_scales = torch.ones(shape, dtype=s.scale_dtype, device=self.device)
+        self.layer_caches = [s.pages(rows, None if self.kv_scales is None else self.kv_scales[i])
+                             for i, rows in enumerate(self.kv_cache)]
 
     def pages_fitting(self, extra_page_bytes: int = 0) -> int:
         """KV pages the pool budget holds (cfg.kv_budget, measured now; `extra_page_bytes` a page
@@ -144,6 +134,13 @@ class ModelRunner:
         """Destroy the CUDA graphs before leaving a tensor-parallel group (DecodeGraphs.release)."""
         for g in filter(None, (self.decode_graphs, self.verify_graphs)):
             g.release()
+
+    def close(self) -> None:
+        """Drop what this runner holds on its device: the CUDA graphs (a graph is destroyed with its
+        object, their memory pool with the last one), the KV pool, the model and the pinned landing
+        buffers. Idempotent."""
+        self.decode_graphs = self.verify_graphs = self.kv_cache = self.kv_scales = self.model = None
+        self.layer_caches, self._landing = [], []
 
     def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only

@@ -100,7 +100,8 @@ class WorkerPool:
             self._release()
             raise
         self.ring_name = self.ring.name
-        threading.Thread(target=self._watch, name="ridge-tp-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="ridge-tp-watch", daemon=True)
+        self._watcher.start()
 
     def _spawn(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
         """Start ranks 1.. on this host, each told the group's store and the ring's segment."""
@@ -275,6 +276,8 @@ class WorkerPool:
             meet_before_leaving(self.tp, STOP_JOIN_S)
         self._kill()
         self._release(failed=self.failure is not None)
+        if threading.current_thread() is not self._watcher:     # it sees `closed` within a poll
+            self._watcher.join()
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -293,6 +296,8 @@ class WorkerPool:
             self.ring = None
         for callback in self.before_leaving:
             callback()
+        # the callbacks hold the runner (which holds this pool): new lists, as the watcher may be calling the old
+        self.before_leaving, self.on_failure = [], []
         if self.tp is not None:
             with self._leaving:
                 if failed:
