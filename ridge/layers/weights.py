@@ -18,7 +18,11 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
-def set_weight_loader(param: torch.nn.Parameter, loader=default_weight_loader, shard_ids=None):
-    """Attach a loader (and the shard ids it expects) to a parameter; returns the parameter."""
+def set_weight_loader(param: torch.nn.Parameter, loader=default_weight_loader, shard_ids=None,
+                      takes_stored: bool = False):
+    """Attach a loader (and the shard ids it expects) to a parameter; returns the parameter.
+    takes_stored: the loader takes a checkpoint's stored quantized format whole (ridge/layers/quant/base.py
+    StoredWeight); every other parameter is handed its dequantization."""
     param.weight_loader, param.shard_ids = loader, tuple(shard_ids) if shard_ids is not None else None
+    param.takes_stored = takes_stored
     return param
