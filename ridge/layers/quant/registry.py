@@ -21,8 +21,10 @@ from ridge.layers.quant.fp8.formats import BlockFp8Reader, fp8_config_of
 from ridge.layers.quant.int4 import formats as int4_formats
 from ridge.layers.quant.int4.config import AT_LOAD_GROUP, FORMATS, Int4Config
 
-# a setting that quantizes a float checkpoint at load -> its method (dummy: dummy weights, made layer by layer)
-AT_LOAD = {"int4": lambda dummy: Int4Config("int4", AT_LOAD_GROUP), "fp8": lambda dummy: Fp8Config(dummy=dummy)}
+# a setting that quantizes a float checkpoint at load -> its method (dummy: dummy weights, made layer by
+# layer; stored: an FP8 checkpoint's weight scheme, whose expert blocks are kept rather than quantized twice)
+AT_LOAD = {"int4": lambda dummy, stored: Int4Config("int4", AT_LOAD_GROUP),
+           "fp8": lambda dummy, stored: Fp8Config(dummy=dummy, checkpoint=stored)}
 # a setting that names the format a quantized checkpoint is in -> its method, from quantization_config
 CHECKPOINT_FORMATS = {name: Int4Config.from_hf for name in FORMATS}
 QUANTIZATIONS = tuple(CHECKPOINT_FORMATS) + tuple(AT_LOAD)      # the `quantization` setting's values
@@ -32,15 +34,17 @@ WRITERS = {"int4": int4_formats, "fp8": fp8_formats}
 EXPERT_QUANTIZATIONS = ("int4", "fp8", "fp8-checkpoint")
 
 
-def select_quantization(setting: str | None, hf_config: dict | None, dummy: bool = False) -> QuantConfig | None:
-    """The scheme a model loads with, from the `quantization` setting and config.json's quantization_config."""
+def select_quantization(setting: str | None, hf_config: dict | None, dummy: bool = False,
+                        stored=None) -> QuantConfig | None:
+    """The scheme a model loads with, from the `quantization` setting and config.json's quantization_config
+    (stored: the FP8 scheme of a checkpoint that loads dequantized, whose quantization_config is not read)."""
     if setting in AT_LOAD:
         if hf_config is not None:
             what = "is" if setting == "fp8" else "is already"
             raise ValueError(f"quantization: {setting!r} quantizes a float checkpoint at load, and this checkpoint "
                              f"{what} quantized (quantization_config.quant_method {hf_config.get('quant_method')!r})"
                              + ("" if setting == "fp8" else "; leave quantization unset to load it as it is"))
-        return AT_LOAD[setting](dummy)
+        return AT_LOAD[setting](dummy, stored)
     if setting is not None and setting not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}; got {setting!r}")
     if hf_config is None:
@@ -68,9 +72,7 @@ def quantization_for(setting: str | None, hf_config: dict | None, dummy: bool = 
     reader = BlockFp8Reader(fp8) if fp8 is not None else None
     if fp8 is not None and setting is None:
         return Fp8CheckpointConfig(fp8), reader
-    quant = select_quantization(setting, None if fp8 is not None else hf_config, dummy)
-    if fp8 is not None:
-        quant.checkpoint = fp8
+    quant = select_quantization(setting, None if fp8 is not None else hf_config, dummy, fp8)
     if moe_architecture is not None and quant is not None and quant.name not in EXPERT_QUANTIZATIONS:
         raise ValueError(f"quantization: {setting or hf_config.get('quant_method')!r} checkpoints of "
                          f"mixture-of-experts models ({moe_architecture}) are not supported: ridge's expert kernels "

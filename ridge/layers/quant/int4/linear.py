@@ -56,7 +56,7 @@ class Int4Linear(LinearMethod):
             groups = "act-order (desc_act) groups" if config.desc_act else "one group of all inputs"
             raise ValueError(f"quantization_config: {groups} cannot be split across {layer.tp.size} tensor-parallel "
                              f"ranks (each holds a share of the inputs); load it with tensor_parallel_size 1")
-        self.group_size = g = config.group_for(k)
+        g = self.group_size
         field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
                  else f"quantization_config.group_size: {config.group_size}")
         share = f" (its share on each of {layer.tp.size} tensor-parallel ranks)" if layer.parallel == "row" else ""
