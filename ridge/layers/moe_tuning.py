@@ -80,7 +80,7 @@ def _time_all(candidates, best_us: float = float("inf")) -> dict:
     early on a loser)."""
     names = {str(i): c for i, c in enumerate(candidates)}       # table keys are strings; tiles are tuples
     timed = time_paths({i: Path(candidates[c], catch=(Exception,), bound=BEST) for i, c in names.items()},
-                       timer=graph_time_us, best_us=best_us)["us"]
+                       timer=graph_time_us, best_us=best_us, sync_after_error=True)["us"]
     return {c: timed.get(i, float("inf")) for i, c in names.items()}
 
 

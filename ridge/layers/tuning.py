@@ -48,10 +48,12 @@ class Path:
     bound: str | None = None
 
 
-def time_paths(paths: dict[str, Path], timer: Callable = graph_time_us, best_us: float = float("inf")) -> dict:
+def time_paths(paths: dict[str, Path], timer: Callable = graph_time_us, best_us: float = float("inf"),
+               sync_after_error: bool = False) -> dict:
     """{"choice": the fastest path (None where every one failed), "us": {path: microseconds}, "errors":
     {path: the error that ruled it out}}, each timed in order by `timer(fn, bound_us=...)`; best_us:
-    the fastest time of candidates timed before these (a BEST bound counts it)."""
+    the fastest time of candidates timed before these (a BEST bound counts it). sync_after_error: a
+    device fault behind a caught error (which leaves the context unusable) is raised at once."""
     us, errors = {}, {}
     for name, path in paths.items():
         bound = min(us.values(), default=best_us) if path.bound == BEST else us.get(path.bound, float("inf"))
@@ -59,8 +61,8 @@ def time_paths(paths: dict[str, Path], timer: Callable = graph_time_us, best_us:
         try:
             us[name] = timer(path.run, bound_us=bound)
         except path.catch as e:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()        # a fault (which leaves the context unusable) is raised here
+            if sync_after_error:
+                torch.cuda.synchronize()
             errors[name] = error_line(e)
     return {"choice": min(us, key=us.get) if us else None, "us": us, "errors": errors}
 
