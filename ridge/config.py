@@ -237,7 +237,7 @@ class EngineConfig:
 
     def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
         """What ridge splits so far: the Llama family's heads and MLP columns (experts' too); INT4
-        groups and packed words are checked as each layer loads (ridge/layers/quant/int4.py)."""
+        groups and packed words are checked as each layer loads (ridge/layers/quant/int4/linear.py)."""
         tp, name = self.tensor_parallel_size, "tensor_parallel_size"
         spec = self.speculation
         unsupported = ("latent attention (DeepSeek)" if m.mla is not None else

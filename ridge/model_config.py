@@ -183,9 +183,6 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: dict | None = None   # config.json's, as written (AWQ, GPTQ, compressed-tensors)
-    # the scheme the Linear layers are built with (ridge.layers.quant.int4.Int4Config), chosen by the
-    # model loader from the `quantization` setting and quantization_config; None: float weights
-    quant: object | None = None
     moe: MoEConfig | None = None              # routing, for a mixture-of-experts architecture
     mla: MLAConfig | None = None              # DeepSeek's latent attention (head_dim: its rotary part)
 

@@ -17,9 +17,10 @@ from ridge.config import EngineConfig
 from ridge.kernels.fp8_gemm import fp8_gemm_ref, quantize_act_fp8_ref
 from ridge.layers.linear import Linear
 from ridge.layers import activation, norm
-from ridge.layers.quant import fp8_dispatch, fp8_linear
-from ridge.layers.quant.fp8 import dequantize_fp8_block
-from ridge.layers.quant.fp8_dispatch import BUCKETS, bucket_of
+from ridge.layers.quant.fp8 import dispatch as fp8_dispatch
+from ridge.layers.quant.fp8 import linear as fp8_linear
+from ridge.layers.quant.fp8.dispatch import BUCKETS, bucket_of
+from ridge.layers.quant.fp8.formats import dequantize_fp8_block
 
 PROMPTS = [[5, 9, 13], [7] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11] * 4, [8, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -96,7 +97,7 @@ def test_fused_fp8_producers_give_the_unfused_tokens(checkpoints, monkeypatch):
     """Prefill batches (61 and 5 rows) run the FP8 kernel, decode batches (4 and 1 rows) bf16. Fused:
     each FP8 forward runs the two norms and SiLU-and-mul quantizing (no bf16 batch does), and the
     separate quantization pass runs only for o_proj (whose producer is attention); unfused (the
-    layers answer takes_fp8 with no): four passes a layer. Greedy tokens are the same."""
+    layers answer takes_quantized_input with no): four passes a layer. Greedy tokens are the same."""
     llm = LLM(checkpoints("llama"), device="cpu", dtype="bfloat16", show_progress=False, max_model_len=64,
               quantization="fp8", enable_prefix_caching=False)      # both runs prefill every prompt token
     assert dispatch_by_hand(llm, fp8_from=5) == 4 * llm.engine.runner.model_cfg.num_layers
@@ -118,7 +119,7 @@ def test_fused_fp8_producers_give_the_unfused_tokens(checkpoints, monkeypatch):
     for fused in (True, False):
         with monkeypatch.context() as m:
             if not fused:
-                m.setattr(Linear, "takes_fp8", lambda self, n: False)
+                m.setattr(Linear, "takes_quantized_input", lambda self, n: False)
             for v in rows.values():
                 v.clear() if isinstance(v, list) else None
             rows["bf16"] = 0
@@ -142,10 +143,10 @@ def test_a_model_too_big_for_bf16_copies_dispatches_fp8_only(monkeypatch):
     """Where bf16 measured faster a layer keeps its bf16 weight; a model whose float weights exceed
     half the GPU (70B on one H200) may not, and takes the fastest FP8 path of every bucket."""
     from types import SimpleNamespace
-    from ridge.layers.quant.fp8_linear import keeps_float_copies
+    from ridge.layers.quant.fp8.config import keeps_float_copies
     table = {"1": {"choice": "bf16", "us": {"bf16": 5.0, "cublas": 9.0, "triton:ptr64x128": 7.0}, "errors": {}},
              "64": {"choice": "cublas", "us": {"bf16": 8.0, "cublas": 6.0}, "errors": {}}}
-    monkeypatch.setattr(fp8_dispatch, "cached", lambda path, version, measure: table)
+    monkeypatch.setattr(fp8_dispatch, "measured", lambda path, version, buckets, measure: table)
     w = torch.empty(4, 4)
     assert fp8_dispatch.dispatch_table(w, w, w) == {1: "bf16", 64: "cublas"}
     assert fp8_dispatch.dispatch_table(w, w, w, allow_bf16=False) == {1: "triton:ptr64x128", 64: "cublas"}
@@ -170,8 +171,8 @@ def test_bad_fp8_settings_are_named():
 def test_gpu_dispatch_table_times_every_path(tmp_path, monkeypatch):
     """On a GPU the table has a timed choice per bucket, cuBLAS and bf16 among the candidates, and
     the path it picks computes the block-scaled product."""
-    from ridge.layers.quant.fp8 import quantize_fp8_block
-    from ridge.layers.quant.fp8_dispatch import fp8_matmul, measure_shape
+    from ridge.layers.quant.fp8.dispatch import fp8_matmul, measure_shape
+    from ridge.layers.quant.fp8.formats import quantize_fp8_block
     monkeypatch.setenv("RIDGE_CACHE_DIR", str(tmp_path))
     w = (torch.randn(1024, 2048, device="cuda") * 0.02).bfloat16()
     wq, ws = quantize_fp8_block(w)
@@ -191,7 +192,7 @@ def test_cost_follows_the_dispatch():
     """The roofline reads a layer's bytes from the path its dispatch runs for the step's rows: FP8
     blocks where an FP8 GEMM runs, the float weight where the measured table picked bf16."""
     from ridge.layers.cost import StepShape
-    from ridge.layers.quant.fp8_linear import Fp8Config
+    from ridge.layers.quant.fp8.config import Fp8Config
     layer = Linear(256, 128, quant=Fp8Config())
     layer.weight.data.normal_(0, 0.02)
     layer.quant_method.finish_loading(layer)
@@ -214,7 +215,7 @@ def test_cost_of_the_fused_producers(checkpoints, monkeypatch):
     prefill, decode = StepShape((40, 21), (40, 21)), StepShape((1,) * 4, (9,) * 4)
     fused = {s: model.cost(s) for s in (prefill, decode)}
     with monkeypatch.context() as m:
-        m.setattr(Linear, "takes_fp8", lambda self, n: False)
+        m.setattr(Linear, "takes_quantized_input", lambda self, n: False)
         unfused = {s: model.cost(s) for s in (prefill, decode)}
     quant = [c for c in fused[prefill] if c.name == "act_quant"]
     assert [c.module for c in quant] == [f"model.layers.{i}.self_attn.o_proj" for i in range(cfg.num_layers)]

@@ -1,4 +1,4 @@
-"""The block-scaled FP8 weight format (ridge/layers/quant/fp8.py, issue 16): quantization bit for bit
+"""The block-scaled FP8 weight format (ridge/layers/quant/fp8/formats.py, issue 16): quantization bit for bit
 as transformers' FineGrainedFP8 writes it, dequantization as transformers reads it, ragged shapes
 within e4m3's rounding bound, ue8m0 scales, and errors that name the field or the tensor."""
 import json
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ridge import LLM
 from ridge.cli import main
-from ridge.layers.quant.fp8 import (FP8, FP8_MAX, UE8M0, Fp8BlockConfig, as_blocks, check_fp8_tensors,
+from ridge.layers.quant.fp8.formats import (FP8, FP8_MAX, UE8M0, Fp8BlockConfig, as_blocks, check_fp8_tensors,
                                     dequantize_fp8_block, fp8_config_of, quantize_fp8_block)
 from ridge.quantize import quantize
 from ridge.utils.random_checkpoint import make_random_checkpoint

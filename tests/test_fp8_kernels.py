@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from ridge.kernels.fp8_gemm import (FP8, FP8_MAX, cublas_fp8_gemm, fp8_gemm, fp8_gemm_ref,  # noqa: E402
                                     quantize_act_fp8, quantize_act_fp8_ref)
-from ridge.layers.quant.fp8 import quantize_fp8_block  # noqa: E402
+from ridge.layers.quant.fp8.formats import quantize_fp8_block  # noqa: E402
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU-tensor kernel tests run under TRITON_INTERPRET=1")
 SMALL = dict(block_m=16, block_n=32, num_warps=4, num_stages=1)     # the interpreter runs every program

@@ -1,4 +1,4 @@
-"""The INT4 dequant path (ridge/kernels/int4_dequant.py, ridge/layers/quant/int4_dispatch.py): the
+"""The INT4 dequant path (ridge/kernels/int4_dequant.py, ridge/layers/quant/int4/dispatch.py): the
 16-bit weight the Triton pass writes is the reference's, bit for bit (TRITON_INTERPRET=1 on the CPU);
 the dispatch times both paths per bucket and keeps the faster, cached; an INT4 Linear takes the
 dequant path only where its table says so, and its cost then states the dequant pass before
@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 
 from ridge.kernels.int4_dequant import int4_dequantize  # noqa: E402
 from ridge.kernels.int4_matmul import dequantize_int4, groups_of, int4_matmul_ref  # noqa: E402
-from ridge.layers.quant import int4_dispatch  # noqa: E402
-from ridge.layers.quant.int4_dispatch import MIN_ROWS, dispatch_table, path_for  # noqa: E402
+from ridge.layers.quant.int4 import dispatch as int4_dispatch  # noqa: E402
+from ridge.layers.quant.int4.dispatch import MIN_ROWS, dispatch_table, path_for  # noqa: E402
 
 
 def tables(K, N, G, dtype, seed=0):
@@ -94,8 +94,8 @@ def test_a_dequant_path_that_runs_out_of_memory_is_recorded_and_not_chosen(tmp_p
 def test_an_int4_linear_takes_the_dequant_path_where_its_table_says(monkeypatch):
     from ridge.layers.cost import Precision, StepShape
     from ridge.layers.linear import Linear
-    from ridge.layers.quant import int4
-    from ridge.layers.quant.int4 import Int4Config
+    from ridge.layers.quant.int4 import linear as int4
+    from ridge.layers.quant.int4.config import Int4Config
     calls = []
     monkeypatch.setattr(int4, "dequant_matmul", lambda *a: calls.append(a[0].shape[0]) or int4_dispatch.dequant_matmul(*a))
     layer = Linear(256, 96, quant=Int4Config("int4", 128))
@@ -134,7 +134,7 @@ def test_the_dequant_workspace_is_one_buffer_the_largest_layer_long():
     """Layers of one device and dtype share one 16-bit weight, grown to the largest while loading; a
     growth after a CUDA graph captured it is an error (the graph would write into freed memory); it
     goes when its last layer does."""
-    from ridge.layers.quant.int4_dispatch import DequantWorkspace
+    from ridge.layers.quant.int4.dispatch import DequantWorkspace
     small = DequantWorkspace.shared(torch.device("cpu"), torch.float16, 64 * 32)
     large = DequantWorkspace.shared(torch.device("cpu"), torch.float16, 128 * 64)
     assert small is large and large.buffer.numel() == 128 * 64

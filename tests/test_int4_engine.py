@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ridge import LLM, SamplingParams
-from ridge.layers.quant import formats as F
+from ridge.layers.quant.int4 import formats as F
 from ridge.utils.random_checkpoint import make_random_checkpoint
 from conftest import prompt_of
 from test_int4_formats import plain_checkpoint

@@ -3,7 +3,7 @@ compressed-tensors pack-quantized, recognised from config.json; `quantization="i
 checkpoint; errors that name the tensor or the config field.
 
 Each checkpoint is built from a random transformers checkpoint: its projections quantized by
-round-to-nearest and packed per the format's specification (ridge.layers.quant.formats, whose
+round-to-nearest and packed per the format's specification (ridge.layers.quant.int4.formats, whose
 packers are checked here against the formats' own packing code: AutoAWQ's and AutoGPTQ's loops,
 compressed-tensors' pack_to_int32). The oracle is the same model with the dequantized weights as a
 plain float checkpoint: transformers cannot run AWQ or GPTQ on a CPU here (their kernels need
@@ -23,8 +23,9 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.kernels.int4_matmul import dequantize_int4, unpack_int4
 from ridge.layers.attention import TORCH_BACKEND
 from ridge.layers.cost import StepShape
-from ridge.layers.quant import formats as F
-from ridge.layers.quant.int4 import Int4Config, select_quantization
+from ridge.layers.quant.int4 import formats as F
+from ridge.layers.quant.int4.config import Int4Config
+from ridge.layers.quant.registry import select_quantization
 from ridge.models.loader import load_model
 from ridge.utils.random_checkpoint import make_random_checkpoint
 from conftest import prompt_of

@@ -91,7 +91,7 @@ def test_expert_kernels_match_reference(T, E, k, kind, dtype):
 def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
     """Weight-only FP8 experts: K (160) and 2I (288) ragged against the 128 x 128 scale blocks, and
     a block straddling an expert's gate and up rows."""
-    from ridge.layers.moe import quantize_experts
+    from ridge.layers.quant.fp8.experts import quantize_experts
     g = torch.Generator().manual_seed(3 + T)
     E, H, inter = 8, 160, 144
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
@@ -123,7 +123,7 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     (a short last group), I = 72 (down's K one short group; 2I = 144 ragged against the 32-row tiles);
     uniform load, one expert taking every token, experts with none."""
     from ridge.kernels.moe_gemm import Int4Experts, dequantize_experts
-    from ridge.layers.moe import quantize_experts_int4
+    from ridge.layers.quant.int4.experts import quantize_experts_int4
     g = torch.Generator().manual_seed(5 + T)
     E, H, inter = 8, 160, 72
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -162,8 +162,8 @@ def test_int4_experts_quantize_as_the_dense_layers_do():
     """Each expert's codes, scales and zero points are the dense INT4 grid's (formats.quantize_rtn, group
     128); a short last group quantizes as if padded with zeros; K not a multiple of 8 is refused."""
     from ridge.kernels.moe_gemm import dequantize_experts
-    from ridge.layers.quant.formats import dequantize, quantize_rtn
-    from ridge.layers.moe import quantize_experts_int4
+    from ridge.layers.quant.int4.formats import dequantize, quantize_rtn
+    from ridge.layers.quant.int4.experts import quantize_experts_int4
     w = torch.randn(3, 16, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got = dequantize_experts(quantize_experts_int4(w))
     for e in range(3):
@@ -185,7 +185,7 @@ def test_fp8_quantization_of_moe_models(checkpoints, name):
     fp8, ref = (_moe_llm(checkpoints, name, quantization=q) for q in ("fp8", None))
     model = fp8.engine.runner.model
     moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
-    assert moe.w13_fp8.q.dtype == torch.float8_e4m3fn and moe.w13_weight.numel() == 0
+    assert moe.weights()[0].q.dtype == torch.float8_e4m3fn and moe.w13_weight.numel() == 0
     block = next(m.mlp for m in model.model.layers if hasattr(m.mlp, "experts"))
     assert block.gate.quant_method is None
     float_moe = next(m for m in ref.engine.runner.model.modules() if isinstance(m, FusedMoE))
@@ -268,7 +268,7 @@ def test_moe_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         LLM(str(bad), device="cpu", show_progress=False)
-    from ridge.layers.quant.formats import compressed_tensors_config
+    from ridge.layers.quant.int4.formats import compressed_tensors_config
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2,
                                                  "quantization_config": compressed_tensors_config(128, False)}))

@@ -38,7 +38,7 @@ def test_expert_kernels_at_model_shapes(E, k, H, inter):
 def test_fp8_expert_kernels_at_model_shapes(E, k, H, inter):
     """Weight-only FP8 experts (DeepSeek-V2-Lite's 1408 is not a multiple of 128) against the
     reference on the dequantized weights."""
-    from ridge.layers.moe import quantize_experts
+    from ridge.layers.quant.fp8.experts import quantize_experts
     g = torch.Generator(device="cuda").manual_seed(E + 1)
     w13 = quantize_experts((torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02).bfloat16())
     w2 = quantize_experts((torch.randn(E, H, inter, device="cuda", generator=g) * 0.02).bfloat16())
@@ -59,7 +59,7 @@ def test_fp8_expert_kernels_at_model_shapes(E, k, H, inter):
 def test_int4_expert_kernels_at_model_shapes(E, k, H, inter):
     """INT4 experts (group 128, RTN at load) against the reference on the dequantized weights, every
     small-batch and grouped tile the plan may pick; one token batch with an expert in every token."""
-    from ridge.layers.moe import quantize_experts_int4
+    from ridge.layers.quant.int4.experts import quantize_experts_int4
     from ridge.layers.moe_tuning import (GROUPED_CANDIDATES, INT4_GROUPED_CANDIDATES, INT4_SMALL_CANDIDATES,
                                          SMALL_CANDIDATES)
     from ridge.kernels.moe_gemm import small_down_block_k, tiles_fit

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM
 from ridge import LLM, SamplingParams
 from ridge.kernels.moe_quant import Fp8Experts, Int4Experts, dequantize_experts
 from ridge.layers.linear import Linear
-from ridge.layers.moe import FusedMoE, quantize_experts_int4
-from ridge.layers.quant.formats import dequantize, quantize_rtn
-from ridge.layers.quant.fp8 import Fp8BlockConfig, dequantize_fp8_block, quantize_fp8_block
-from ridge.layers.quant.int4 import Int4Linear
+from ridge.layers.moe import FusedMoE
+from ridge.layers.quant.fp8.formats import Fp8BlockConfig, dequantize_fp8_block, quantize_fp8_block
+from ridge.layers.quant.int4.experts import quantize_experts_int4
+from ridge.layers.quant.int4.formats import dequantize, quantize_rtn
+from ridge.layers.quant.int4.linear import Int4Linear
 from ridge.utils.random_checkpoint import make_random_checkpoint
 from conftest import prompt_of
 from test_hf_parity import assert_first_step_logits_match, hf_greedy
@@ -103,7 +104,7 @@ def test_fp8_expert_blocks_that_do_not_fall_on_the_share_load_dequantized(tmp_pa
     _fp8_pair(src, str(tmp_path / "fp8"), str(tmp_path / "deq"))
     llm = LLM(str(tmp_path / "fp8"), device="cpu", show_progress=False, max_model_len=256)
     moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
-    assert not moe.fp8_blocks and moe.quant is None and moe.w13_weight.dtype == torch.float32
+    assert not moe.stores_checkpoint_format and moe.quant is None and moe.w13_weight.dtype == torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "deq"), dtype=torch.float32).eval()
     assert_first_step_logits_match(llm.engine, hf, PROMPTS[:2], "deepseekv3-fp8-ragged")
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ridge.layers.quant.formats import dequantize, quantize_rtn
+from ridge.layers.quant.int4.formats import dequantize, quantize_rtn
 from ridge.quantize.awq import fake_quantize, output_error, search_clip, search_scale
 from ridge.utils.random_checkpoint import make_random_checkpoint
 
@@ -209,7 +209,7 @@ def test_quantize_writes_compressed_tensors_that_ridge_loads(checkpoints, tmp_pa
 
 def test_rtn_checkpoint_is_what_quantization_at_load_computes(tmp_path):
     """`ridge quantize --method rtn` and `--quantization int4` share one quantizer
-    (ridge/layers/quant/formats.py): on a float32 checkpoint at group 128 the tables, so the logits,
+    (ridge/layers/quant/int4/formats.py): on a float32 checkpoint at group 128 the tables, so the logits,
     are the same; down_proj's 320 inputs end in a short group (written as ceil(320 / 128) = 3)."""
     from ridge import LLM
     from ridge.quantize import quantize

@@ -155,9 +155,9 @@ def test_fp8_dummy_weights_are_made_layer_by_layer(config_only, monkeypatch):
     shape would not fit one GPU in bf16). Each layer's is a meta-device shape until its turn, made
     on the model's device, quantized and dropped; the FP8 values are those of quantizing the plain
     dummy model (same generator stream), and at most one layer's float weight is alive at a time."""
-    from ridge.layers.quant import fp8_linear
-    from ridge.layers.quant.fp8 import quantize_fp8_block
-    from ridge.layers.quant.fp8_linear import Fp8Config
+    from ridge.layers.quant.fp8 import linear as fp8_linear
+    from ridge.layers.quant.fp8.config import Fp8Config
+    from ridge.layers.quant.fp8.formats import quantize_fp8_block
 
     layer = Linear(256, {"gate": 128, "up": 128}, quant=Fp8Config(dummy=True))
     assert layer.weight.is_meta and layer.weight.shard_ids == ("gate", "up")

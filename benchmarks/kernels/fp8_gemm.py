@@ -99,7 +99,7 @@ def run_case(c: dict, gen, l2: int, args) -> dict:
     import torch.nn.functional as F
 
     from ridge.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, quantize_act_fp8
-    from ridge.layers.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+    from ridge.layers.quant.fp8.formats import dequantize_fp8_block, quantize_fp8_block
     M, N, K = c["M"], c["N"], c["K"]
     res = {**c, "fp8_bytes": fp8_bytes(c), "configs": {}}
     sets = copies_for(N * K, l2)

@@ -108,7 +108,7 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
     import torch.nn.functional as F
 
     from ridge.kernels.int4_matmul import dequantize_int4, int4_matmul
-    from ridge.layers.quant.int4_dispatch import MIN_ROWS, dequant_matmul
+    from ridge.layers.quant.int4.dispatch import MIN_ROWS, dequant_matmul
     N, K, M = c["N"], c["K"], c["M"]
     res = {**c, "int4_bytes": int4_bytes(c), "bf16_bytes": bf16_bytes(c)}
     n_i4 = copies_for(int4_bytes(c), l2)

@@ -34,7 +34,6 @@ FP8 is a constexpr: the bf16 kernel compiles without a trace of it.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -45,6 +44,7 @@ from ridge.kernels.kv_fp8 import KVScales, check_kv_scales
 from ridge.kernels.kv_fp8 import scale_from_bytes
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.prefill_attention import _LOG2E, _check_inputs, _last_dim_contiguous
+from ridge.kernels.tiles import sm_count
 
 _INTERPRET = triton.knobs.runtime.interpret
 _MAX_SPLITS = 64
@@ -249,13 +249,8 @@ def _merge_kernel(Out, O_part, Lse, query_start_loc, num_splits, stride_ot, stri
     tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _device_sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:

@@ -2,7 +2,7 @@
 
 The scheme (DeepGEMM's): activations are quantized per token and per 128 input channels (one fp32
 scale per 1 x 128 group, `quantize_act_fp8`), weights per 128 x 128 block
-(ridge/layers/quant/fp8.py); the tensor cores multiply e4m3 x e4m3 into fp32, and each K block of
+(ridge/layers/quant/fp8/formats.py); the tensor cores multiply e4m3 x e4m3 into fp32, and each K block of
 128 is *promoted* on its own: its partial sum, exact to fp32 inside the block, is scaled by the
 token's and the weight block's scale and added to an fp32 accumulator in registers. So no scale
 ever rounds into an operand, and the MMA's limited-precision accumulation (Hopper's FP8 MMA keeps
@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ridge.kernels.rounding import emulate_rne, round_to
-from ridge.kernels.tiles import grouped_tile
+from ridge.kernels.tiles import grouped_tile, sm_count
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0      # the largest finite e4m3fn value
@@ -190,9 +190,7 @@ def _fp8_gemm_tma_kernel(x_desc, XS, w_desc, WS, y_desc, M, N, stride_xsm, strid
 
 def _programs(device: torch.device) -> int:
     """A persistent grid's size: one program per SM (the interpreter: a few)."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, elsewhere=3)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -52,7 +52,6 @@ compiled once). Accumulation is fp32; the output has x's dtype. CUDA-graph captu
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -62,6 +61,7 @@ import triton.language as tl
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import emulate_rne, round_to
 from ridge.kernels.silu_mul import silu_and_mul_ref, silu_times
+from ridge.kernels.tiles import sm_count
 
 GEMV_MAX_ROWS = 8          # decode CUDA-graph buckets 1, 2, 4, 8; larger batches go to cuBLAS
 ACTS = (None, "silu_mul")
@@ -191,11 +191,6 @@ def _gemv_kernel(X, W, Bias, Y, M, N, K: tl.constexpr, stride_xm, stride_xk, str
     tl.store(ptrs, round_to(y, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
     """Launch configuration from the shape (no autotuning; see the module docstring).
 
@@ -224,9 +219,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
 
 def _as_config(config, M: int, N: int, K: int, device: torch.device) -> GemvConfig:
     if config is None:
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 132
-        return gemv_config(M, N, K, sms)
+        return gemv_config(M, N, K, sm_count(device))
     config = tuple(config)
     if len(config) == 4:   # (BLOCK_N, BLOCK_K, num_warps, num_stages): the path follows M
         config = (*config, M > 1)

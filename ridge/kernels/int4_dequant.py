@@ -6,7 +6,7 @@ tensor cores, which keeps them at about half their bf16 roof (the 70B case study
 cuBLAS on a 16-bit weight runs near it. Writing W costs 2 bytes a weight and the GEMM reads them
 back: ~4.5 bytes a weight moved against the INT4 GEMM's 0.5, a fixed cost a batch of a few
 hundred rows repays (ExLlama's "reconstruct" path makes the same trade). Where it pays is measured
-per GPU and shape, not assumed (ridge/layers/quant/int4_dispatch.py).
+per GPU and shape, not assumed (ridge/layers/quant/int4/dispatch.py).
 
 The pass is a stream: a program reads a [BLOCK_K / 8, BLOCK_N] word tile (N contiguous, as ridge's
 layout stores it), expands the eight nibbles of each word into the eight K rows they pack, and

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ridge.kernels.int4_gemv import COUNTER_SLOTS, dequant_plane, num_sms, splitk_store, ticket_counters
+from ridge.kernels.int4_gemv import COUNTER_SLOTS, dequant_plane, splitk_store, ticket_counters
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
-from ridge.kernels.tiles import grouped_tile
+from ridge.kernels.tiles import grouped_tile, sm_count
 
 _INTERPRET = triton.knobs.runtime.interpret
 _REF_TILE = 128                  # the tile the split-K decision assumes (the configs' common size)
@@ -163,8 +163,7 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int, out: torch.Tensor,
     M, K = x.shape
     N = qweight.shape[1]
     interpret = x.device.type != "cuda"
-    sms = 132 if interpret else num_sms(x.device.index if x.device.index is not None
-                                        else torch.cuda.current_device())
+    sms = sm_count(x.device)
     c = Int4GemmConfig(*config) if config is not None else None
     split = (c.split_k if c is not None and c.split_k else
              2 if interpret and K >= 4 * 64 else gemm_split_k(M, N, K, sms))

@@ -57,7 +57,6 @@ Design (per program: BLOCK_M rows of x, BLOCK_N output columns, one K range):
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -67,6 +66,7 @@ import triton.language as tl
 
 from ridge.kernels.pdl import launch_options, pdl_wait, use_pdl
 from ridge.kernels.rounding import round_to
+from ridge.kernels.tiles import sm_count
 
 GEMV_MAX_M = 32
 
@@ -262,11 +262,6 @@ class Int4GemvConfig(NamedTuple):
     split_k: int
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def block_m_for(M: int) -> int:
     return 16 if M <= 16 else 32
 
@@ -344,8 +339,7 @@ def int4_gemv(x, qweight, scales, zeros, group_size: int, out: torch.Tensor, con
     N = qweight.shape[1]
     interpret = x.device.type != "cuda"
     if config is None:
-        sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if not interpret else 132
+        sms = sm_count(x.device)
         config = int4_gemv_config(M, N, K, group_size, sms, interpret)
     cfg = Int4GemvConfig(*config)
     bm = block_m_for(M)

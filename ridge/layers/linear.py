@@ -14,12 +14,14 @@ the activation names a GEMV act (`gemv_act`). The fusion pays only on the M = 1 
 2-8 the GEMV's tensor-core path recomputes the activation per tile and loses to the separate
 kernel (benchmarks/gemv.py). Same function on every path; only the fp32 summation order differs.
 
-With a quantization config (`quant`: ridge/layers/quant/int4.py, fp8_linear.py) the layer's tables,
-their loading and its GEMM belong to the method object (vLLM's LinearMethod); the Linear keeps its
-shards, bias and input activation, and states the quantized bytes in its cost. Where an FP8 GEMM
-serves the batch (`takes_fp8(rows)`), the kernel producing the input may quantize it on its way out:
-the input activation (forward(x, fp8=True)), or the RMSNorm wired to the layer (RMSNorm(feeds=...));
-such a layer is `fp8_producer` and states no quantization pass of its own.
+With a quantization method (`quant`, a QuantConfig from ridge/layers/quant/registry.py) the layer's
+weights, their loading and its GEMM belong to the method's LinearMethod (ridge/layers/quant/base.py);
+the Linear keeps its shards, bias and input activation, and states the quantized bytes in its cost.
+Where the method's GEMM takes its input quantized (`takes_quantized_input(rows)`), the kernel
+producing the input may quantize it on its way out: the input activation, or the norm before the
+layer. `wire_producer` connects the two at build time where the producer's kernel writes the
+format the method reads; the layer is then `fed_quantized`, takes a LinearInput from its producer
+at every batch size, and states no quantization pass of its own where the producer quantizes.
 
 Tensor parallelism (`tp`, ridge/parallel.py): a column-parallel layer holds this rank's rows of
 each shard (`sources`: where they sit in the checkpoint tensor; an even split unless the caller
@@ -37,6 +39,7 @@ from torch import nn
 
 from ridge.kernels.gemv import GEMV_MAX_ROWS, gemv
 from ridge.parallel import SINGLE, TensorParallel
+from ridge.layers.quant.base import LinearInput, QuantConfig
 from ridge.layers.weights import default_weight_loader, set_weight_loader
 from ridge.layers.cost import (FP8_ACT, OpCost, Precision, StepShape, act_quant_cost, all_reduce_cost, gemm_cost,
                                precision_of)
@@ -52,7 +55,7 @@ PARALLEL_KINDS = (None, "column", "row")
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_sizes: dict[str, int] | int, bias: bool = False,
-                 input_act: nn.Module | None = None, quant=None, tp: TensorParallel = SINGLE,
+                 input_act: nn.Module | None = None, quant: QuantConfig | None = None, tp: TensorParallel = SINGLE,
                  parallel: str | None = None, slices: dict[str, tuple[int, int]] | None = None):
         """out_sizes: the checkpoint's rows of each shard. parallel: None (whole on every rank),
         "column" (this rank's rows of each shard: `slices`, shard -> (first row, rows), default
@@ -73,22 +76,24 @@ class Linear(nn.Module):
         for name, (_, rows) in self.sources.items():
             self.shards[name], offset = (offset, rows), offset + rows
         self.in_features, self.out_features = self.in_slice[1], offset
-        shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
-        param = lambda *shape, device=None: set_weight_loader(  # noqa: E731
-            nn.Parameter(torch.empty(*shape, device=device), requires_grad=False), self.weight_loader, shard_ids)
-        # an INT4 layer registers its own tables (named as its checkpoint format's tensors)
+        self.shard_ids = list(out_sizes) if len(out_sizes) > 1 else None
+        self.fed_quantized = False      # a producer hands this layer its input (wire_producer)
+        # the method registers the weights it stores (named as its checkpoint format's tensors)
         self.quant_method = quant.linear_method(self) if quant is not None else None
-        if self.quant_method is None or getattr(self.quant_method, "loads_float_weight", False):
-            # FP8 at load: quantized once loaded. With dummy weights the float weight is only a shape
-            # (meta) until its layer's turn, so a model whose float weights outgrow the device (70B
-            # in bf16 on one GPU) never holds more than one layer's of them (Fp8Linear.initialize_dummy)
-            later = getattr(self.quant_method, "float_weight_later", False)
-            self.weight = param(offset, self.in_features, device="meta" if later else None)
-        self.bias = param(offset) if bias else None
+        if self.quant_method is None:
+            self.weight = self.float_weight()
+        self.bias = self._param(offset) if bias else None
         self.input_act = input_act
-        # the kernel producing the input quantizes it for an FP8 GEMM (its own input activation
-        # here; RMSNorm(feeds=self) sets it for the norm before the layer)
-        self.fp8_producer = bool(getattr(input_act, "fp8_output", False))
+        if input_act is not None:
+            wire_producer(input_act, self)
+
+    def _param(self, *shape, device=None) -> nn.Parameter:
+        return set_weight_loader(nn.Parameter(torch.empty(*shape, device=device), requires_grad=False),
+                                 self.weight_loader, self.shard_ids)
+
+    def float_weight(self, device=None) -> nn.Parameter:
+        """A weight [out, in] in the model's dtype, loaded by weight_loader (device "meta": only a shape)."""
+        return self._param(self.out_features, self.in_features, device=device)
 
     def num_weights(self) -> int:
         """Weights (and biases) this layer stands for, however they are stored: an INT4 layer's
@@ -145,33 +150,41 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.normal_(0.0, std, generator=generator)
 
-    def _method_says(self, question: str, rows: int) -> bool:
-        """The quantization method's answer for `rows` rows; False for a method that has no FP8 path."""
-        answer = getattr(self.quant_method, question, None)
-        return answer is not None and answer(rows)
+    def takes_quantized_input(self, rows: int) -> bool:
+        """Whether the GEMM for `rows` rows takes its input already quantized (its method's input_format)
+        from the kernel producing it."""
+        return self.quant_method is not None and self.quant_method.takes_quantized(rows)
 
-    def takes_fp8(self, rows: int) -> bool:
-        """Whether the GEMM for `rows` rows is an FP8 kernel that takes its input already quantized
-        (an Fp8Activation, ridge/layers/quant/fp8_linear.py) from the kernel producing it."""
-        return self._method_says("takes_fp8", rows)
-
-    def fed_fp8(self, step: StepShape, rows: int) -> bool:
+    def fed_quantized_at(self, step: StepShape, rows: int) -> bool:
         """Whether, in this step's cost, the producer hands the input over quantized (what-if weight
         formats leave the activations as they are)."""
-        return self.fp8_producer and step.weights is None and self.takes_fp8(rows)
+        return self.fed_quantized and step.weights is None and self.takes_quantized_input(rows)
+
+    def permute_outputs(self, rows: torch.Tensor) -> None:
+        """Reorder the output rows (a model's layout change at load), in whatever form the weight is stored."""
+        if self.quant_method is not None:
+            self.quant_method.permute_outputs(self, rows)
+        else:
+            self.weight.data.copy_(self.weight.data[rows.to(self.weight.device)])
+        if self.bias is not None:
+            self.bias.data.copy_(self.bias.data[rows.to(self.bias.device)])
 
     def forward(self, x):
-        """input_act(x) @ weight^T (+ bias); x may be an Fp8Activation where takes_fp8; row-parallel:
-        summed over the ranks."""
+        """input_act(x) @ weight^T (+ bias); x is a LinearInput where a producer feeds the layer;
+        row-parallel: summed over the ranks."""
         bias = self.bias if self.parallel != "row" or self.tp.rank == 0 else None
         if self.quant_method is not None:
             if self.input_act is not None:
-                fp8 = self.fp8_producer and self.takes_fp8(x.shape[:-1].numel())
-                x = self.input_act(x, fp8=True) if fp8 else self.input_act(x)
-            y = self.quant_method.apply(self, x, bias)
+                x = self.input_act.produce(x, self) if self.fed_quantized else self.input_act(x)
+            if not self.fed_quantized:
+                y = self.quant_method.apply(self, x, bias)
+            elif x.quantized is not None:
+                y = self.quant_method.apply_quantized(self, x, bias)
+            else:
+                y = self.quant_method.apply(self, x.float, bias)
         else:
             gemv_path = uses_gemv(x, self.weight)
-            act = getattr(self.input_act, "gemv_act", None)
+            act = self.input_act.gemv_act if self.input_act is not None else None
             if self.input_act is not None and not (gemv_path and x.shape[0] == 1 and act is not None):
                 x, act = self.input_act(x), None
             y = gemv(x, self.weight, bias, act=act) if gemv_path else F.linear(x, self.weight, bias)
@@ -195,18 +208,31 @@ class Linear(nn.Module):
         fused it (then the producer writes FP8_ACT instead of the activation dtype). Row-parallel:
         the all-reduce of the partial sums after it."""
         rows = step.num_tokens if rows is None else rows
-        fp8_in = step.weights is None and self._method_says("quantizes_input", rows)
-        fed = fp8_in and self.fed_fp8(step, rows)
-        ops = self.input_act.cost(step, self.in_features, fp8_out=fed) if self.input_act is not None else []
-        if fp8_in and not fed:
+        quant_in = step.weights is None and self.quant_method is not None and self.quant_method.quantizes_input(rows)
+        fed = quant_in and self.fed_quantized_at(step, rows)
+        ops = self.input_act.cost(step, self.in_features, quantized_out=fed) if self.input_act is not None else []
+        if quant_in and not fed:
             ops.append(act_quant_cost(rows, self.in_features, step))
         w = self.weight_precision(step, rows)
         gemm = gemm_cost(name, rows, (self.out_features, self.in_features), self.bias, w, step, out_bytes,
-                         in_bytes=FP8_ACT.bytes if fp8_in else None)
-        weight_pass = getattr(self.quant_method, "weight_pass", None)
-        if weight_pass is not None and step.weights is None and (before := weight_pass(self, step, rows)):
+                         in_bytes=FP8_ACT.bytes if quant_in else None)
+        if self.quant_method is not None and step.weights is None and \
+                (before := self.quant_method.weight_pass(self, step, rows)):
             ops += before                       # it writes the weight the GEMM reads: not a parameter there
             gemm.param_bytes -= self.out_features * self.in_features * w.bytes
         return ops + [gemm] \
             + (all_reduce_cost(f"{name}.all_reduce", rows, self.out_features, step, self.tp.size)
                if self.parallel == "row" else [])
+
+
+def wire_producer(producer: nn.Module, consumer: Linear) -> None:
+    """Hand `consumer` its input from `producer` (a norm before it, or its own input activation)
+    quantized where its method's GEMM takes it: only where the producer's kernel writes the format
+    the method reads (`output_formats`), decided once, at build. A wired producer's `produce(x,
+    consumer)` returns a LinearInput at every batch size."""
+    method = consumer.quant_method
+    if method is not None and method.input_format is not None and method.input_format in producer.output_formats:
+        consumer.fed_quantized = True
+        # held, not registered: the consumer belongs to its block (as a child of the producer its
+        # weights would be listed twice)
+        object.__setattr__(producer, "consumer", consumer)

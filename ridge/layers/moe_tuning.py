@@ -15,14 +15,13 @@ fastest path and tiles per bucket (a candidate far slower than the best so far i
 one call: graph_time_us). Within a bucket a token's output does not depend on the rest of
 the batch; across buckets the path or tiles may change, and with them the last bit. A step of T
 tokens takes the choice of the first bucket >= T. Only the buckets the engine's step budget
-(max_num_batched_tokens) reaches are timed; cached per device under RIDGE_CACHE_DIR/moe like the
-roofline's ceilings and the FP8 dispatch, a larger budget later adds the buckets it lacks.
+(max_num_batched_tokens) reaches are timed; cached per device by ridge/layers/tuning.py (RIDGE_CACHE_DIR/moe) like the FP8 and INT4
+dispatches, a larger budget later adds the buckets it lacks.
 """
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
@@ -31,7 +30,7 @@ from ridge.kernels.moe_gemm import (FUSED_SUM_OK, SMALL_MAX_TOKENS, GroupedTiles
                                     fused_moe_small, grouped_gemm, small_down_block_k)
 from ridge.kernels.moe_quant import format_name, tiles_fit
 from ridge.kernels.moe_route import align_by_expert
-from ridge.utils.device_cache import cache_root, device_key, read_json, write_json
+from ridge.layers.tuning import BEST, Path, bucket_of, measured, table_file, time_paths
 from ridge.utils.graph_timing import graph_time_us
 
 log = logging.getLogger("ridge")
@@ -63,8 +62,7 @@ class MoePlan:
         self.us = us or {}          # bucket -> {path: measured microseconds}
 
     def choice(self, tokens: int) -> tuple[str, tuple]:
-        i = min(bisect.bisect_left(self.buckets, tokens), len(self.buckets) - 1)
-        return self.table[self.buckets[i]]
+        return self.table[bucket_of(tokens, tuple(self.buckets))]
 
 
 def _tiles(kind: str, raw) -> tuple:
@@ -73,19 +71,17 @@ def _tiles(kind: str, raw) -> tuple:
 
 
 def _us(fn, bound_us: float = float("inf")) -> float:
-    try:
-        return graph_time_us(fn, bound_us=bound_us)
-    except Exception:  # noqa: BLE001  a tile this GPU cannot fit (shared memory, registers)
-        torch.cuda.synchronize()       # but a fault (which leaves the context unusable) is raised here
-        return float("inf")
+    """fn's time; inf for a candidate this GPU cannot run (a tile past its shared memory or registers)."""
+    return _time_all({"run": fn}, bound_us)["run"]
 
 
-def _time_all(candidates, run) -> dict:
-    """{candidate: us}, each timed against the best so far (graph_time_us stops early on a loser)."""
-    us: dict = {}
-    for c in candidates:
-        us[c] = _us(lambda c=c: run(c), min(us.values(), default=float("inf")))
-    return us
+def _time_all(candidates, best_us: float = float("inf")) -> dict:
+    """{candidate: us} (inf: it failed), each timed against the best so far (graph_time_us stops
+    early on a loser)."""
+    names = {str(i): c for i, c in enumerate(candidates)}       # table keys are strings; tiles are tuples
+    timed = time_paths({i: Path(candidates[c], catch=(Exception,), bound=BEST) for i, c in names.items()},
+                       timer=graph_time_us, best_us=best_us, sync_after_error=True)["us"]
+    return {c: timed.get(i, float("inf")) for i, c in names.items()}
 
 
 def _raise_clocks(device: torch.device, seconds: float = 0.2) -> None:
@@ -138,15 +134,19 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
         hidden = torch.randn(T * top_k, two_i // 2, generator=gen, device=w13.device).to(w13.dtype)
         timings: dict[str, dict] = {}
         if T <= SMALL_MAX_TOKENS:
-            gu = _time_all(small_gu, lambda c: fused_moe_small(x, w13, w2, weights, experts, (c, small_dn[0])))
+            gu = _time_all({c: lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (c, small_dn[0]))
+                            for c in small_gu})
             best_gu = _best(gu)
-            dn = _time_all(small_dn, lambda c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c)))
+            dn = _time_all({c: lambda c=c: fused_moe_small(x, w13, w2, weights, experts, (best_gu, c))
+                            for c in small_dn})
             timings["small"] = dict(tiles=(best_gu, _best(dn)), us=dn[_best(dn)])
         for bm in sorted({c.block_m for c in grouped}):
             cands = [c for c in grouped if c.block_m == bm and tiles_fit(w13, c.block_k)]
             layout = align_by_expert(experts, E, bm)
-            gu = _time_all(cands, lambda c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True))
-            dn = _time_all(cands, lambda c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights))
+            gu = _time_all({c: lambda c=c: grouped_gemm(x, w13, layout, T * top_k, top_k, c, gated=True)
+                            for c in cands})
+            dn = _time_all({c: lambda c=c: grouped_gemm(hidden, w2, layout, T * top_k, 1, c, route_weights=weights)
+                            for c in cands})
             tiles = (_best(gu), _best(dn))
             for path in GROUPED_PATHS:         # the whole path as the layer runs it, as the small path is timed
                 run = lambda fuse=path == "grouped": fused_moe_grouped(x, w13, w2, weights, experts, tiles,  # noqa: E731
@@ -163,17 +163,13 @@ def measure(w13, w2, top_k: int, buckets: tuple[int, ...] = BUCKETS) -> dict:
 
 
 def moe_plan(w13, w2, top_k: int, max_tokens: int | None = None) -> MoePlan:
-    """The plan for this expert shape (float weights, Fp8Experts or Int4Experts: each format its own
+    """The plan for this expert shape (float weights or a quantized experts format: each format its own
     key) on its GPU, for steps of at most max_tokens tokens (the engine's max_num_batched_tokens; a
     bucket no step reaches is not timed): from the per-device cache, the buckets it lacks measured
     now and added to it."""
     E, two_i, H = w13.shape
     dtype = str(w13.dtype).removeprefix("torch.") + format_name(w13)
-    path = os.path.join(cache_root(), "moe", f"moe-{device_key(w13.device)}-e{E}k{top_k}h{H}i{two_i // 2}-{dtype}.json")
-    table = read_json(path, VERSION) or {}
-    missing = tuple(b for b in buckets_for(max_tokens) if str(b) not in table)
-    if missing:
-        table.update(measure(w13, w2, top_k, missing))
-        write_json(path, VERSION, table)
+    path = table_file("moe", "moe", w13.device, f"e{E}k{top_k}h{H}i{two_i // 2}-{dtype}")
+    table = measured(path, VERSION, buckets_for(max_tokens), lambda buckets: measure(w13, w2, top_k, buckets))
     return MoePlan({int(t): (e["path"], _tiles(e["path"], e["tiles"])) for t, e in table.items()},
                    {int(t): e["us"] for t, e in table.items()})

@@ -6,11 +6,13 @@ residual, then normalise" points become one call, which the fused Triton kernel
 The arithmetic follows transformers (normalise in float32, scale in the input dtype) so float32
 logits match it to rounding; the kernel rounds at the same points.
 
-A norm that `feeds` one projection (the decoder's norms before QKV and gate-up) asks it per batch
-whether its GEMM is an FP8 kernel; if so the kernel quantizes the output for it on the way out
-(rms_norm_fp8: an Fp8Activation, 1 byte an element plus a scale per 128 channels, in place of the
-bf16 row a separate quantization pass would read back). The consumer is a kernel path, so this is
-too (a CPU reaches it only under Triton's interpreter, in tests).
+A norm wired to the projection reading its output (the decoder's norms before QKV and gate-up,
+ridge/layers/linear.py wire_producer: where the projection's method reads e4m3 activations) hands
+it a LinearInput at every batch size, and asks it per batch whether its GEMM takes the input
+quantized; if so the kernel quantizes the output for it on the way out (rms_norm_fp8: 1 byte an
+element plus a scale per 128 channels, in place of the bf16 row a separate quantization pass would
+read back). The consumer is a kernel path, so this is too (a CPU reaches it only under Triton's
+interpreter, in tests).
 """
 from __future__ import annotations
 
@@ -20,25 +22,36 @@ from torch import nn
 from ridge.kernels.rmsnorm import rms_norm, rms_norm_fp8, rms_norm_ref
 from ridge.layers.cost import FP8_ACT, OpCost, StepShape
 from ridge.layers.linear import Linear
-from ridge.layers.quant.fp8_linear import Fp8Activation
+from ridge.layers.quant.base import ACT_E4M3_1X128, LinearInput
 from ridge.layers.weights import set_weight_loader
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, feeds: Linear | None = None):
+    output_formats = (ACT_E4M3_1X128,)      # rms_norm_fp8 quantizes the output in the same kernel
+    consumer: Linear | None = None          # the projection wired to read the output (wire_producer)
+
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = set_weight_loader(nn.Parameter(torch.empty(dim), requires_grad=False))
-        # held, not registered: the projection belongs to its block (as a child here its weights
-        # would be listed twice)
-        object.__setattr__(self, "feeds", feeds)
-        if feeds is not None:
-            feeds.fp8_producer = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.feeds is not None and self.feeds.takes_fp8(x.shape[:-1].numel()):
+        if self.consumer is not None:
+            return self.produce(x, self.consumer, residual)
+        return self._norm(x, residual)
+
+    def produce(self, x: torch.Tensor, consumer: Linear, residual: torch.Tensor | None = None):
+        """The output as the consumer takes it for this many rows: quantized by the norm's own kernel,
+        or the float row (as forward, with the residual sum beside it)."""
+        if consumer.takes_quantized_input(x.shape[:-1].numel()):
             out = rms_norm_fp8(x, self.weight, self.eps, residual)
-            return Fp8Activation(*out, x.dtype) if residual is None else (Fp8Activation(*out[0], x.dtype), out[1])
+            if residual is None:
+                return LinearInput(x.dtype, quantized=out)
+            return LinearInput(x.dtype, quantized=out[0]), out[1]
+        out = self._norm(x, residual)
+        return LinearInput(x.dtype, float=out) if residual is None else (LinearInput(x.dtype, float=out[0]), out[1])
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
@@ -53,8 +66,9 @@ class RMSNorm(nn.Module):
         output (FP8_ACT where it quantizes) and the sum, unless never read."""
         rows = step.num_tokens if rows is None else rows
         n, params = rows * self.weight.shape[0], self.weight.nbytes
-        fp8 = self.feeds is not None and self.feeds.fed_fp8(step, rows)
+        quantized = self.consumer is not None and self.consumer.fed_quantized_at(step, rows)
         moved = 1 + (1 + residual_out if residual else 0)
-        out = FP8_ACT.bytes if fp8 else step.act.bytes
-        return [OpCost("norm", "elementwise", (4 + residual + 4 * fp8) * n, n * (moved * step.act.bytes + out) + params,
+        out = FP8_ACT.bytes if quantized else step.act.bytes
+        return [OpCost("norm", "elementwise", (4 + residual + 4 * quantized) * n,
+                       n * (moved * step.act.bytes + out) + params,
                        params, compute=step.act.compute)]

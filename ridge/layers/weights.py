@@ -36,9 +36,13 @@ class LayerLoader:
         method(param, loaded, shard_id)
 
 
-def set_weight_loader(param: torch.nn.Parameter, loader=default_weight_loader, shard_ids=None):
+def set_weight_loader(param: torch.nn.Parameter, loader=default_weight_loader, shard_ids=None,
+                      takes_stored: bool = False):
     """Attach a loader (and the shard ids it expects) to a parameter; returns the parameter. A
-    layer's bound method is held weakly (LayerLoader)."""
+    layer's bound method is held weakly (LayerLoader).
+    takes_stored: the loader takes a checkpoint's stored quantized format whole (ridge/layers/quant/base.py
+    StoredWeight); every other parameter is handed its dequantization."""
     param.weight_loader = LayerLoader(loader) if inspect.ismethod(loader) else loader
     param.shard_ids = tuple(shard_ids) if shard_ids is not None else None
+    param.takes_stored = takes_stored
     return param

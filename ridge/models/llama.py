@@ -5,8 +5,8 @@ ridge/models/mla.py) and DeepSeek's routing, in one file: the differences are fl
 the model. Module and parameter names follow the HF checkpoints except the merged projections
 (`qkv_proj`, `gate_up_proj`, and each layer's experts as two tensors): `checkpoint_slot` tells the
 loader which parameter and shard a checkpoint tensor goes to; the parameter's own weight_loader
-puts it in place. `cfg.quant` (INT4 weights) goes to the projections;
-the embeddings and the LM head stay in the activation dtype.
+puts it in place. The quantization method (`quant`, made by ridge/layers/quant/registry.py at load)
+goes to the projections and experts; the embeddings and the LM head stay in the activation dtype.
 
 The forward pass works on one flat batch of tokens ([T, hidden]) from many sequences: prefill
 chunks and decode tokens side by side; only attention needs to know where sequences begin.
@@ -21,9 +21,10 @@ from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.layers.attention import Attention, AttentionBackend, rank_heads
 from ridge.layers.cost import OpCost, StepShape, all_gather_cost, all_reduce_cost, child, gemm_cost, precision_of
 from ridge.layers.embedding import VocabTable
-from ridge.layers.linear import Linear
+from ridge.layers.linear import Linear, wire_producer
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.norm import RMSNorm
+from ridge.layers.quant.base import QuantConfig
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.sampler import sampling_cost
 from ridge.models.mla import MLAttention
@@ -46,15 +47,15 @@ class LlamaAttention(nn.Module):
     qkv_proj is column-parallel by heads, o_proj row-parallel over the same heads."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None):
         super().__init__()
         self.cfg, d = cfg, cfg.head_dim
         self.heads, self.kv_heads, first_q, first_kv = rank_heads(cfg.num_heads, cfg.num_kv_heads, tp)
         kv_rows = (first_kv * d, self.kv_heads * d)
         self.qkv_proj = Linear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                               bias=cfg.qkv_bias, quant=cfg.quant, tp=tp, parallel="column",
+                               bias=cfg.qkv_bias, quant=quant, tp=tp, parallel="column",
                                slices={"q": (first_q * d, self.heads * d), "k": kv_rows, "v": kv_rows})
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant, tp=tp, parallel="row")
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=quant, tp=tp, parallel="row")
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # rotary is applied by attn, in the same backend call (one kernel) as the KV-cache write
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
 
     @property
     def input_proj(self) -> Linear:
-        """The one projection reading the block's input (the norm before it may hand it FP8)."""
+        """The one projection reading the block's input (the norm before it may hand it quantized)."""
         return self.qkv_proj
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
@@ -83,16 +84,19 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None):
         super().__init__()
-        self.self_attn = (MLAttention(cfg, rotary, backend) if cfg.mla is not None
-                          else LlamaAttention(cfg, rotary, backend, tp))
-        self.mlp = SparseMoeBlock(cfg, tp) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
-            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.quant, tp)
-        # each norm feeds its block's input projection: under --quantization fp8 it quantizes its
-        # output for that GEMM where the GEMM is an FP8 kernel (ridge/layers/norm.py)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.self_attn.input_proj)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, feeds=self.mlp.input_proj)
+        self.self_attn = (MLAttention(cfg, rotary, backend, quant) if cfg.mla is not None
+                          else LlamaAttention(cfg, rotary, backend, tp, quant))
+        self.mlp = SparseMoeBlock(cfg, tp, quant) if cfg.moe is not None and index in cfg.moe.sparse_layers else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, quant, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each norm hands its block's input projection its output, quantized where that projection's
+        # method reads a quantized activation the norm's kernel can write (ridge/layers/norm.py)
+        for norm, block in ((self.input_layernorm, self.self_attn), (self.post_attention_layernorm, self.mlp)):
+            if block.input_proj is not None:
+                wire_producer(norm, block.input_proj)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
@@ -109,11 +113,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE,
+                 quant: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = VocabTable(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i, tp, quant)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -165,10 +171,12 @@ class LlamaForCausalLM(nn.Module):
             return f"{parent}.{merged}.{expert}.{part + '_proj' if part else 'down_proj'}.weight"
         return f"{parent}.{next(k for k, v in CHECKPOINT_NAME_MAP.items() if v == (merged, shard))}.{leaf}"
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE,
+                 quant: QuantConfig | None = None):
+        """quant: the quantization method the projections and experts are built with (None: the model's dtype)."""
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, backend, max_position, tp)
+        self.model = LlamaModel(cfg, backend, max_position, tp, quant)
         if not cfg.tie_word_embeddings:
             self.lm_head = VocabTable(cfg.vocab_size, cfg.hidden_size, tp)
 

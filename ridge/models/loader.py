@@ -11,18 +11,17 @@ normal(0, 0.02) as transformers initialises matrices and embeddings, norm weight
 A module that knows its own tables (an INT4 Linear: integer codes, scales) fills them itself
 (`initialize_dummy`), so an 8B-shaped INT4 engine starts without a checkpoint too.
 
-Quantization (`quantization`, ridge/layers/quant/int4.py) is chosen before the model is built, from
-the setting and config.json's quantization_config; the Linear layers then carry the checkpoint
-format's tensors. An FP8 checkpoint (HF fp8 blocks or compressed-tensors float-quantized,
-ridge/layers/quant/fp8.py) loads dequantized to the model's dtype: each weight once its scales are
-in; a mixture-of-experts layer's experts in 128 x 128 blocks (DeepSeek-V3's) stay as stored, e4m3 with
-their scales, for the weight-only FP8 expert kernels (ridge/layers/moe.py). Once every tensor is in,
+The quantization method (`quantization`) is made before the model is built, by
+ridge/layers/quant/registry.py from the setting and config.json's quantization_config, and handed
+to the model; its layers then carry the checkpoint format's tensors. A checkpoint in a stored
+quantized format has a reader (the registry's too) that hands each weight on as a StoredWeight: a
+parameter that keeps the format (`takes_stored`) takes it whole, every other one its
+dequantization to the model's dtype. The loader knows no method by name. Once every tensor is in,
 each module with a `finish_loading()` hook runs it (INT4 act-order: the input permutation needs all
 of a layer's tensors).
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -35,9 +34,8 @@ from ridge.config import ModelConfig
 from ridge.layers.attention import AttentionBackend
 from ridge.layers.moe import FusedMoE
 from ridge.layers.norm import RMSNorm
-from ridge.layers.quant.fp8 import BlockFp8Reader, Fp8BlockConfig, Fp8BlockWeight, fp8_config_of
-from ridge.layers.quant.fp8_linear import Fp8Config, keeps_float_copies
-from ridge.layers.quant.int4 import select_quantization
+from ridge.layers.quant.base import CheckpointReader, StoredWeight
+from ridge.layers.quant.registry import quantization_for
 from ridge.models.registry import model_class
 from ridge.parallel import SINGLE, TensorParallel
 
@@ -77,43 +75,30 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     (the engine's step budget) bounds the batches the expert kernels' plan is measured for."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    fp8, quant = fp8_config_of(cfg.quantization_config), None
-    if fp8 is not None and quantization not in (None, "fp8"):
-        raise ValueError(f"quantization: {quantization!r} does not apply to this FP8 checkpoint (quantization_config "
-                         f"{cfg.quantization_config.get('quant_method')!r}), which loads dequantized to the model's "
-                         f"dtype, or with 'fp8' runs FP8 GEMMs")
-    # an FP8 checkpoint loads dequantized; with quantization 'fp8' it is quantized again at load, which
-    # gives back its own e4m3 values where its blocks are 128 x 128 (each block's maximum is 448 x scale)
-    quant = select_quantization(quantization, None if fp8 is not None else cfg.quantization_config)
-    if load_format == "dummy" and isinstance(quant, Fp8Config):
-        quant = Fp8Config(dummy=True)       # each layer made and quantized at its turn, never the whole float model
-    if cfg.moe is not None and quant is not None and not isinstance(quant, Fp8Config) and quant.format != "int4":
-        raise ValueError(f"quantization: {quantization or cfg.quantization_config.get('quant_method')!r} checkpoints "
-                         f"of mixture-of-experts models ({cfg.architecture}) are not supported: ridge's expert kernels "
-                         f"run float, FP8 or INT4 weights quantized at load from a float checkpoint (quantization "
-                         f"'fp8' or 'int4')")
-    cfg = dataclasses.replace(cfg, quant=quant)
+    quant, reader = quantization_for(quantization, cfg.quantization_config, dummy=load_format == "dummy",
+                                     moe_architecture=cfg.architecture if cfg.moe is not None else None)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # the rotary tables stay float32: they ask for it
     try:
         with torch.device(device):
-            model = model_class(cfg.architecture)(cfg, backend, max_position, tp)
+            model = model_class(cfg.architecture)(cfg, backend, max_position, tp, quant)
     finally:
         torch.set_default_dtype(default)
     for m in model.modules():
         if isinstance(m, FusedMoE):
             m.max_step_tokens = max_step_tokens
     if load_format == "dummy":
-        if isinstance(quant, Fp8Config):
-            # the float weights are still shapes here: their size says whether bf16 copies may stay
-            float_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
-            quant.keep_float = keeps_float_copies(float_bytes, torch.device(device))
+        if quant is not None:
+            # float weights still shapes here (a method that makes them layer by layer) say what the model
+            # would hold in float
+            quant.fit_to_device(sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta),
+                                torch.device(device))
         initialize_dummy_weights(model, seed)
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:
             raise RuntimeError(f"load_model: dummy initialization left {left[0]} (and {len(left) - 1} more) unmade")
     else:
-        load_weights(model, path, cfg, show_progress, fp8)
+        load_weights(model, path, cfg, show_progress, reader, quant is not None and quant.drops_zero_biases)
     return model.eval()
 
 
@@ -126,7 +111,7 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     owners = {id(p): m for m in model.modules() if callable(getattr(m, "initialize_dummy", None))
               for p in m.parameters(recurse=False)}
     # a parameter on the meta device is only a shape until its owner makes it, on the model's device
-    # (an FP8 layer's float weight: ridge/layers/quant/fp8_linear.py)
+    # (a float weight its method makes at its layer's turn: ridge/layers/quant/fp8/linear.py)
     home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     device = lambda p: home if p.is_meta else p.device      # noqa: E731
     generators = {device(p): torch.Generator(device=device(p)).manual_seed(seed) for p in model.parameters()}
@@ -142,13 +127,13 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progress: bool = True,
-                 fp8: Fp8BlockConfig | None = None) -> None:
+                 reader: CheckpointReader | None = None, drop_zero_biases: bool = False) -> None:
     """Stream the checkpoint's tensors, each to its parameter's weight_loader (with its shard id
     when it is one part of a merged parameter); every expected tensor must arrive exactly once.
-    fp8: an FP8 block checkpoint, each weight dequantized once its scales are in (BlockFp8Reader), or
-    handed over as its blocks to a parameter that keeps them (`takes_fp8_blocks`: FP8 experts)."""
+    reader: a stored quantized format's (ridge/layers/quant/registry.py), whose StoredWeights are
+    dequantized unless their parameter keeps the format (`takes_stored`). drop_zero_biases: a
+    quantized checkpoint's all-zero biases of layers that have none are skipped."""
     params = dict(model.named_parameters())
-    reader = BlockFp8Reader(fp8) if fp8 is not None else None
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress) as bar:
@@ -170,12 +155,12 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         continue        # DeepSeek-V3's multi-token-prediction layers: transformers skips them too
                     pname, shard = model.checkpoint_slot(name)
                     if (pname, shard) not in expected:
-                        if cfg.quant is not None and name.endswith(".bias") and not f.get_tensor(name).any():
+                        if drop_zero_biases and name.endswith(".bias") and not f.get_tensor(name).any():
                             continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)
                         raise ValueError(f"model: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                                          f"(config and checkpoint disagree)")
                     value = f.get_tensor(name) if tensor is None else tensor
-                    if isinstance(value, Fp8BlockWeight) and not getattr(params[pname], "takes_fp8_blocks", False):
+                    if isinstance(value, StoredWeight) and not params[pname].takes_stored:
                         value = value.dequantize()
                     try:
                         params[pname].weight_loader(params[pname], value, shard)

@@ -11,10 +11,10 @@ rope_interleave): at load the rows that produce q's and k_pe's rotary parts are 
 half-split layout ridge rotates (pair i -> dims i and i + rope/2). q and k move alike, so q.k is
 unchanged, and one rotary kernel serves every model.
 
-Quantized (`cfg.quant`: INT4 or FP8 at load), every projection but kv_b_proj takes the format:
-kv_b stays in the model's dtype because the absorbed decode reads it split per head, folded into
-the query and the output (ridge/layers/mla.py), not as one GEMM. An INT4 projection's rows are
-permuted in its tables (codes, scales and zero points are per output column of ridge's layout).
+Quantized (`quant`), every projection but kv_b_proj takes the method: kv_b stays in the model's
+dtype because the absorbed decode reads it split per head, folded into the query and the output
+(ridge/layers/mla.py), not as one GEMM. A quantized projection's rows are permuted in whatever
+form its method stores them (Linear.permute_outputs).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ridge.layers.cost import OpCost, StepShape, child
 from ridge.layers.linear import Linear
 from ridge.layers.mla import LatentAttention
 from ridge.layers.norm import RMSNorm
-from ridge.layers.quant.int4 import Int4Linear
+from ridge.layers.quant.base import QuantConfig
 from ridge.layers.rotary import RotaryEmbedding
 
 
@@ -40,22 +40,23 @@ def deinterleave(rows: int) -> torch.Tensor:
 class MLAttention(nn.Module):
     input_proj = None       # two projections read the input (q and the latent's): no norm feeds one
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant: QuantConfig | None = None):
         super().__init__()
         m, H = cfg.mla, cfg.num_heads
         self.cfg, self.mla = cfg, m
         q_out = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         if m.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, q_out, quant=cfg.quant)
+            self.q_proj = Linear(cfg.hidden_size, q_out, quant=quant)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.o_bias, quant=cfg.quant)
+            self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.o_bias, quant=quant)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)      # transformers' fixed eps
-            self.q_b_proj = Linear(m.q_lora_rank, q_out, quant=cfg.quant)
+            self.q_b_proj = Linear(m.q_lora_rank, q_out, quant=quant)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=cfg.o_bias,
-                                         quant=cfg.quant)
+                                         quant=quant)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim))
-        self.o_proj = Linear(H * m.v_head_dim, cfg.hidden_size, bias=cfg.o_bias, quant=cfg.quant)
+        self.o_proj = Linear(H * m.v_head_dim, cfg.hidden_size, bias=cfg.o_bias, quant=quant)
         self.attn = LatentAttention(H, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                     m.softmax_scale, rotary, backend)
 
@@ -71,14 +72,7 @@ class MLAttention(nn.Module):
         q_rows = torch.cat([h * (nope + rope) + head for h in range(self.cfg.num_heads)])
         kv_rows = torch.cat((torch.arange(r), r + perm))
         for proj, rows in ((q, q_rows), (self.kv_a_proj_with_mqa, kv_rows)):
-            int4 = isinstance(proj.quant_method, Int4Linear)
-            for p in (proj.weight if not int4 else None, proj.bias):
-                if p is not None:
-                    p.data.copy_(p.data[rows.to(p.device)])
-            if int4:        # its tables, quantized as they loaded, are [*, N] (qweight is its `weight`)
-                for role in ("qweight", "scales", "zeros"):
-                    t = proj.quant_method.table(proj, role)
-                    t.data.copy_(t.data[:, rows.to(t.device)])
+            proj.permute_outputs(rows)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         m, H = self.mla, self.cfg.num_heads

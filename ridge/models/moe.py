@@ -5,9 +5,9 @@ outputs. Qwen2-MoE adds a shared expert every token runs, scaled by
 sigmoid(shared_expert_gate(x)); DeepSeek's shared experts (one MLP) are ungated, and its router
 (float32 logits, group-limited choice, V3's score bias) is FusedMoE's `grouped` routing. Module
 names are the checkpoints' (Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`, DeepSeek's
-`shared_experts` are mapped by llama.py's checkpoint_slot). Quantized, the router stays float;
-the experts take the setting's weight-only format (or keep an FP8 checkpoint's blocks), the shared
-expert is a dense MLP of quantized Linears.
+`shared_experts` are mapped by llama.py's checkpoint_slot). Quantized (`quant`), the router stays
+float; the experts take the method's experts format (a weight-only format, or a checkpoint's
+stored blocks), the shared expert is a dense MLP of quantized Linears.
 """
 from __future__ import annotations
 
@@ -20,25 +20,9 @@ from ridge.layers.cost import OpCost, StepShape, all_reduce_cost, child
 from ridge.layers.linear import Linear
 from ridge.layers.mlp import GatedMLP
 from ridge.layers.moe import FusedMoE
-from ridge.layers.quant.fp8 import fp8_config_of
-from ridge.layers.quant.fp8_linear import Fp8Config
+from ridge.layers.quant.base import QuantConfig
 from ridge.layers.weights import set_weight_loader
 from ridge.parallel import SINGLE, TensorParallel
-
-
-def expert_quant(cfg: ModelConfig) -> str | None:
-    """The experts' weight-only format under the quantization setting: 'fp8', 'int4' (quantized at
-    load: the loader refuses INT4 checkpoints of MoE models) or None."""
-    if isinstance(cfg.quant, Fp8Config):
-        return "fp8"
-    return "int4" if getattr(cfg.quant, "format", None) == "int4" else None
-
-
-def fp8_blocks(cfg: ModelConfig) -> bool:
-    """Whether the checkpoint's experts come as 128 x 128 FP8 blocks (the HF fp8 format, DeepSeek-V3's;
-    compressed-tensors' block strategy), which the experts keep as stored."""
-    fp8 = fp8_config_of(cfg.quantization_config)
-    return fp8 is not None and fp8.strategy == "block" and fp8.block == (128, 128)
 
 
 class SparseMoeBlock(nn.Module):
@@ -47,12 +31,12 @@ class SparseMoeBlock(nn.Module):
 
     input_proj = None       # the router, the experts and a shared expert all read the input
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, quant: QuantConfig | None = None):
         super().__init__()
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_size, moe.renormalize,
-                                moe.grouped, tp=tp, quant=expert_quant(cfg), fp8_blocks=fp8_blocks(cfg))
+                                moe.grouped, tp=tp, quant=quant)
         if moe.grouped is not None:     # DeepSeek routes in float32: the router weight is kept so (exact)
             self.gate.weight.data = self.gate.weight.data.float()
         if moe.grouped is not None and moe.grouped.score_bias:     # V3: chooses experts, does not weigh them
@@ -60,7 +44,7 @@ class SparseMoeBlock(nn.Module):
                 nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias, cfg.quant, tp)
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_expert_size, cfg.mlp_bias, quant, tp)
         if moe.shared_expert_size and moe.shared_expert_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 

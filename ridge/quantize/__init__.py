@@ -5,7 +5,7 @@ and FP8 (e4m3, 128 x 128 block scales) in the HF fp8 format.
 It sits on top of the engine (like eval_ppl and the CLI): AWQ calibrates by running text through
 ridge's own engine and reading what each Linear sees (calib.py); the search and folding are
 awq.py, the per-layer walk plan.py; the round-to-nearest grid and the packing are those of
-ridge/layers/quant/formats.py, the code that reads the checkpoint back (and quantizes at load).
+ridge/layers/quant/int4/formats.py, the code that reads the checkpoint back (and quantizes at load).
 """
 from __future__ import annotations
 
@@ -91,10 +91,10 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
 def _write_fp8(src: str, out: str, engine_settings: dict, show_progress: bool) -> dict:
     """No calibration: each block's scale is its amax / 448, as the format's writers compute it."""
     from ridge import LLM
-    from ridge.layers.quant.fp8 import Fp8BlockConfig
+    from ridge.layers.quant.registry import checkpoint_format
     from ridge.quantize.checkpoint import fp8_tensors, write_checkpoint
 
-    config = Fp8BlockConfig()
+    config = checkpoint_format("fp8").WRITTEN_SCHEME
     net = LLM(src, show_progress=show_progress, **{**engine_settings, "enable_prefix_caching": False}).engine.runner.model
     write_checkpoint(net, src, out, None, fp8_tensors(net, config), config.to_hf())
     summary = dict(model=src, out=out, method="fp8", format="HF fp8 (e4m3, 128 x 128 block scales)")

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ridge.layers.quant.formats import dequantize, quantize_rtn
+from ridge.layers.quant.registry import checkpoint_format
+
+INT4 = checkpoint_format("int4")         # the grid quantization at load uses
 
 N_GRID = 20          # alpha = 0, 1/20, ..., 19/20 (AutoAWQ's grid)
 MAX_SHRINK = 0.5     # clipping ratios 1, 0.95, ..., 0.55 (AutoAWQ's auto_clip)
@@ -65,8 +67,8 @@ def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None,
                   scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float32 weight a reader of the checkpoint computes with: clip, round to nearest
-    (ridge/layers/quant/formats.py, the same function as quantization at load), dequantize."""
-    return dequantize(*quantize_rtn(clip_weight(w, group_size, clip), group_size, scale_dtype), group_size)
+    (ridge/layers/quant/int4/formats.py, the same function as quantization at load), dequantize."""
+    return INT4.dequantize(*INT4.quantize_rtn(clip_weight(w, group_size, clip), group_size, scale_dtype), group_size)
 
 
 def output_error(w_eff: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:

@@ -3,13 +3,13 @@
 INT4 (rtn, awq) is written as compressed-tensors `pack-quantized` (llm-compressor's output; vLLM, SGLang and
 transformers load it): per Linear `weight_packed`, `weight_scale`, `weight_zero_point` and
 `weight_shape`, and a `quantization_config` in config.json (INT4, group strategy, asymmetric,
-lm_head ignored). Why this format rather than AutoAWQ's GEMM layout: see ridge/layers/quant/formats.py;
+lm_head ignored). Why this format rather than AutoAWQ's GEMM layout: see ridge/layers/quant/int4/formats.py;
 in short it states its scheme in one schema, keeps the weight's [N, K] orientation, and carries RTN
 and AWQ results alike (AWQ's output is an ordinary asymmetric group-quantized weight once its scales
 are folded). Packing, the config entry and the round-to-nearest grid are the formats module's, the
 same code ridge's loader reads them back with. FP8 (fp8) is written in the HF fp8 block format
 (`weight` e4m3 and `weight_scale_inv` per 128 x 128 block: DeepSeek-V3's and Qwen3-*-FP8's,
-which transformers, vLLM and ridge read), by ridge/layers/quant/fp8.py's quantizer.
+which transformers, vLLM and ridge read), by ridge/layers/quant/fp8/formats.py's quantizer.
 
 Tensors the plan does not touch are copied bit for bit from the source; tensors it changed (the
 norm weights AWQ folded into, biases) are written in the source tensor's dtype. Every other file
@@ -25,7 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ridge.layers.quant.formats import compressed_tensors_config, pack_compressed_tensors, quantize_rtn
+from ridge.layers.quant.registry import checkpoint_format
+
+INT4 = checkpoint_format("int4")         # the INT4 checkpoint format: round to nearest, compressed-tensors packing
 from ridge.models.loader import checkpoint_files
 from ridge.quantize.awq import clip_weight
 
@@ -71,35 +73,34 @@ def quantized_tensors(model, plan, group_size: int, scale_dtype: torch.dtype) ->
     (q, scales and zeros are per output row, so a merged Linear splits into its shards by rows)."""
     out = {}
     for name, lp in plan.linears.items():
-        q, scales, zeros = quantize_rtn(clip_weight(lp.weight, group_size, lp.clip), group_size, scale_dtype)
+        q, scales, zeros = INT4.quantize_rtn(clip_weight(lp.weight, group_size, lp.clip), group_size, scale_dtype)
         lin = model.get_submodule(name)
         for shard, ckpt in checkpoint_names(model, name).items():
             first, n = lin.shards[shard]
             rows = slice(first, first + n)
-            out[ckpt] = pack_compressed_tensors(q[rows].cpu(), scales[rows].cpu(), zeros[rows].cpu(), group_size)
+            out[ckpt] = INT4.pack_compressed_tensors(q[rows].cpu(), scales[rows].cpu(), zeros[rows].cpu(), group_size)
     return out
 
 
 @torch.no_grad()
 def fp8_tensors(model, config) -> dict[str, dict]:
     """Checkpoint Linear prefix -> {weight: float8_e4m3fn, weight_scale_inv}: every decoder Linear
-    in the HF fp8 block format (ridge/layers/quant/fp8.py), each checkpoint Linear (a shard of a
+    in the HF fp8 block format (ridge/layers/quant/fp8/formats.py), each checkpoint Linear (a shard of a
     merged one) blocked on its own, as the format's readers expect."""
-    from ridge.layers.quant.fp8 import quantize_fp8_block
     from ridge.quantize.calib import decoder_linears
 
     out = {}
     for name, lin in decoder_linears(model).items():
         for shard, ckpt in checkpoint_names(model, name).items():
             first, n = lin.shards[shard]
-            q, scale_inv = quantize_fp8_block(lin.weight[first:first + n].float().cpu(), config)
+            q, scale_inv = checkpoint_format("fp8").quantize_fp8_block(lin.weight[first:first + n].float().cpu(), config)
             out[ckpt] = {"weight": q, "weight_scale_inv": scale_inv}
     return out
 
 
 def quantization_config(group_size: int) -> dict:
     """Asymmetric (zero points), group strategy; the LM head stays in the model's dtype."""
-    return compressed_tensors_config(group_size, symmetric=False, ignore=["lm_head"])
+    return INT4.compressed_tensors_config(group_size, symmetric=False, ignore=["lm_head"])
 
 
 def write_checkpoint(model, src: str, out: str, plan, quantized: dict[str, dict], quant_config: dict) -> None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from ridge.kernels.fp8_gemm import FP8, FP8_MAX, as_blocks
-from ridge.layers.quant.formats import compressed_tensors_groups
+from ridge.layers.quant.base import CheckpointReader, StoredWeight, compressed_tensors_groups
 
 UE8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -92,6 +91,9 @@ class Fp8BlockConfig:
     def scale_shape(self, n: int, k: int) -> tuple[int, int]:
         bn, bk = self.block_for(n, k)
         return math.ceil(n / bn), math.ceil(k / bk)
+
+
+WRITTEN_SCHEME = Fp8BlockConfig()      # what `ridge quantize --method fp8` writes: 128 x 128 blocks, fp32 scales
 
 
 def fp8_config_of(qc) -> Fp8BlockConfig | None:
@@ -167,10 +169,11 @@ def check_fp8_tensors(name: str, weight: torch.Tensor, scale: torch.Tensor, n: i
     return s
 
 
-class Fp8BlockWeight(NamedTuple):
+@dataclass(frozen=True)
+class Fp8BlockWeight(StoredWeight):
     """A checkpoint's FP8 weight as stored: e4m3 values [N, K], its scale grid (check_fp8_tensors'),
-    and the block a scale covers. A parameter that keeps FP8 blocks as they are (`takes_fp8_blocks`:
-    the experts, whose kernels read them) takes it whole; every other one its dequantization."""
+    and the block a scale covers. A parameter that keeps the stored format (`takes_stored`: the FP8
+    block experts, whose kernels read them) takes it whole; every other one its dequantization."""
     q: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int]
@@ -179,7 +182,7 @@ class Fp8BlockWeight(NamedTuple):
         return dequantize_fp8_block(self.q, self.scale, self.block)
 
 
-class BlockFp8Reader:
+class BlockFp8Reader(CheckpointReader):
     """Pairs each FP8 `X.weight` with its scale tensor (`X.weight_scale_inv` or `X.weight_scale`,
     per the config) as a checkpoint streams by (either may come first, or in another shard) and
     hands on `X.weight` as an Fp8BlockWeight, checked (the loader dequantizes it to the model's dtype

@@ -7,19 +7,18 @@ Two paths compute x @ W from ridge's INT4 tables:
 The second moves ~4.5 bytes a weight against 0.5 and runs the tensor cores near their roof where
 the INT4 GEMM reaches about half: a fixed cost that only a batch of enough rows repays, and where
 that batch starts depends on the GPU and the shape. So the engine times both at each bucket of
-fp8_dispatch.BUCKETS from 64 to 4,096 rows (below, the 16-bit weight alone costs more than the
+ridge/layers/tuning.py's BUCKETS from 64 to 4,096 rows (below, the 16-bit weight alone costs more than the
 whole INT4 GEMM; above, the last bucket's choice holds), on the same random activations, replayed
 from CUDA graphs as decode and verify steps run, and keeps the faster (a path that fails, e.g. out
 of memory, is recorded and not chosen). A batch takes its bucket's choice, eagerly and in a CUDA
 graph alike. The 16-bit weight goes to one DequantWorkspace a device, allocated while the model loads
 (so the KV pool, sized from what loading leaves, leaves room for it) and written by every layer in
 turn: a transient weight per call would have to fit in whatever the KV pool left over.
-The table is cached per device, torch and Triton version (RIDGE_CACHE_DIR/int4), so only the
+The table is cached per device, torch and Triton version (ridge/layers/tuning.py: RIDGE_CACHE_DIR/int4), so only the
 first start on a GPU pays for the timing; the timing's buffers go back to the device after it.
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -27,10 +26,9 @@ import triton
 
 from ridge.kernels.int4_dequant import int4_dequantize
 from ridge.kernels.int4_matmul import PACK, int4_matmul
-from ridge.layers.quant.fp8_dispatch import BUCKETS as ALL_BUCKETS
-from ridge.layers.quant.fp8_dispatch import bucket_of
-from ridge.utils.device_cache import cache_root, cached, device_key
-from ridge.utils.graph_timing import error_line, graph_time_us
+from ridge.layers.tuning import BUCKETS as ALL_BUCKETS
+from ridge.layers.tuning import Path, bucket_of, measured, table_file, time_paths
+from ridge.utils.graph_timing import graph_time_us
 
 MIN_ROWS, MAX_ROWS = 64, 4096
 BUCKETS = tuple(b for b in ALL_BUCKETS if MIN_ROWS <= b <= MAX_ROWS)
@@ -79,23 +77,24 @@ class DequantWorkspace:
         return self.buffer[:k * n].view(k, n)
 
 
-def measure_shape(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict:
-    """{bucket: {"choice": path, "us": {path: microseconds}}} for one layer's tables."""
+def measure_shape(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  buckets: tuple[int, ...] = BUCKETS) -> dict:
+    """{bucket: {"choice": path, "us": {path: microseconds}, "errors": {...}}} for one layer's tables:
+    the dequant path is timed against the INT4 time (it cannot win by more than its bound), and only
+    its running out of memory (the 16-bit weight beside the model) rules it out; an INT4 kernel
+    that fails is the engine's error."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     gen = torch.Generator(device=qweight.device).manual_seed(n * 7 + k)
     table = {}
-    for m in BUCKETS:
+    for m in buckets:
         x = torch.randn(m, k, generator=gen, device=qweight.device).to(scales.dtype)
-        us = {"int4": graph_time_us(lambda: int4_matmul(x, qweight, scales, zeros, group_size))}
-        errors = {}
-        try:
-            us["dequant"] = graph_time_us(lambda: dequant_matmul(x, qweight, scales, zeros, group_size),
-                                          bound_us=us["int4"])
-        except (torch.OutOfMemoryError, RuntimeError) as e:     # the 16-bit weight does not fit beside the model
-            errors["dequant"] = error_line(e)
-        table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
+        table[str(m)] = time_paths({
+            "int4": Path(lambda: int4_matmul(x, qweight, scales, zeros, group_size)),
+            "dequant": Path(lambda: dequant_matmul(x, qweight, scales, zeros, group_size),
+                            catch=(torch.OutOfMemoryError, RuntimeError), bound="int4")}, timer=graph_time_us)
         del x
-    torch.cuda.empty_cache()              # the timing's buffers and graph pools, back before the KV pool is sized
+    if qweight.is_cuda:
+        torch.cuda.empty_cache()        # the timing's buffers and graph pools, back before the KV pool is sized
     return table
 
 
@@ -104,9 +103,9 @@ def dispatch_table(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     """{bucket: path} for this layer's shape on its GPU, from the per-device cache or measured now."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     dtype = str(scales.dtype).removeprefix("torch.")
-    name = f"dispatch-{device_key(qweight.device)}-triton{triton.__version__}-{n}x{k}-g{group_size}-{dtype}.json"
-    table = cached(os.path.join(cache_root(), "int4", name), VERSION,
-                   lambda: measure_shape(qweight, scales, zeros, group_size))
+    shape = f"triton{triton.__version__}-{n}x{k}-g{group_size}-{dtype}"
+    table = measured(table_file("int4", "dispatch", qweight.device, shape), VERSION, BUCKETS,
+                     lambda buckets: measure_shape(qweight, scales, zeros, group_size, buckets))
     return {int(m): e["choice"] for m, e in table.items()}
 
 

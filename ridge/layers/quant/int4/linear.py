@@ -1,11 +1,4 @@
-"""INT4 weight-only linear layers (W4A16): which format a checkpoint is in, and the layer's tables.
-
-`select_quantization` is the choice behind the `quantization` setting (vLLM's --quantization):
-None reads config.json's quantization_config (none: a float model); "awq", "gptq" and
-"compressed-tensors" name the format the checkpoint must be in; "int4" quantizes a float
-checkpoint while it loads (round to nearest, asymmetric min-max, group 128). A configuration ridge
-cannot run (bits, group size, a scheme with activation quantization, an unknown method) is a
-ValueError naming the config.json field, raised before any weight is read.
+"""INT4 weight-only linear layers (W4A16): the layer's tables, how they load, run and cost.
 
 `Int4Linear` is a Linear's INT4 path (vLLM's LinearMethod). It registers one parameter per
 checkpoint tensor of its format, under the checkpoint's name, so the model loader dispatches by
@@ -24,13 +17,12 @@ share, so its last group may be short.
 Weight bytes: 0.5 per weight, plus a scale and a zero point in the activation dtype per group of
 G inputs: 0.5 + 4 / 128 bytes at G = 128 in bf16, 3.8x fewer than bf16 (the cost model counts it).
 A batch whose bucket measured faster with the weight dequantized to 16 bits and cuBLAS takes that
-path (ridge/layers/quant/int4_dispatch.py; a prefill's large batches); its cost is then the
+path (ridge/layers/quant/int4/dispatch.py; a prefill's large batches); its cost is then the
 dequant pass (weight_pass) and a GEMM reading the 16-bit weight.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import weakref
 from functools import partial
 
 import torch
@@ -38,166 +30,34 @@ from torch import nn
 
 from ridge.kernels.int4_matmul import PACK, group_size_error, groups_of, int4_matmul, pack_int4, unpack_int4
 from ridge.layers.cost import OpCost, Precision, StepShape
-from ridge.layers.quant import formats
-from ridge.layers.quant.fp8_linear import Fp8Config
-from ridge.layers.quant.int4_dispatch import DequantWorkspace, dequant_matmul, dispatch_table, path_for
+from ridge.layers.quant.base import LinearMethod
+from ridge.layers.quant.int4 import formats
+from ridge.layers.quant.int4.config import Int4Config
+from ridge.layers.quant.int4.dispatch import DequantWorkspace, dequant_matmul, dispatch_table, path_for
 from ridge.layers.weights import set_weight_loader
 
-FORMATS = ("awq", "gptq", "compressed-tensors")
-QUANTIZATIONS = FORMATS + ("int4", "fp8")       # the `quantization` setting's values (ridge/config.py)
-AT_LOAD_GROUP = 128
 DUMMY_SCALE = 0.02 / 8                    # (q - 8) * scale has about the std of a bf16 dummy weight
-# module names a "not converted" entry may match: what ridge keeps unquantized anyway; and (HF Llama
-# names, one layer's) the projections it may not match
-_UNQUANTIZED = ("lm_head", "model.embed_tokens")
-_PROJECTIONS = tuple(f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
 
 
-@dataclass(frozen=True)
-class Int4Config:
-    """One INT4 scheme for every projection. group_size -1: one group spans all K inputs."""
-    format: str                       # "awq", "gptq", "compressed-tensors", or "int4" (quantized at load)
-    group_size: int
-    symmetric: bool = False           # z = 8 and no zero-point tensor (compressed-tensors symmetric)
-    desc_act: bool = False            # GPTQ act-order: a group's rows are scattered (g_idx)
-    has_g_idx: bool = False           # the checkpoint carries a g_idx tensor per layer
-    checkpoint_format: str = "gptq"   # GPTQ: "gptq" (v1: z - 1 stored) or "gptq_v2"
-
-    def group_for(self, k: int) -> int:
-        return k if self.group_size == -1 else self.group_size
-
-    def linear_method(self, layer: nn.Module) -> "Int4Linear":
-        """The INT4 path of `layer` (a Linear), its tables registered on it."""
-        return Int4Linear(self, layer)
-
-    @classmethod
-    def from_hf(cls, qc: dict) -> "Int4Config":
-        """From config.json's quantization_config (AutoAWQ, GPTQ, compressed-tensors)."""
-        if not isinstance(qc, dict):
-            raise ValueError(f"quantization_config: must be a mapping, got {type(qc).__name__}")
-        method = str(qc.get("quant_method", "")).lower()
-        if method == "awq":
-            _bits(qc.get("bits", qc.get("w_bit")), "quantization_config.bits")
-            version = str(qc.get("version", "gemm")).lower()
-            if version != "gemm":
-                raise ValueError(f"quantization_config.version: {version!r} is not supported "
-                                 f"(ridge reads AutoAWQ's GEMM layout)")
-            if qc.get("zero_point", True) is not True:
-                raise ValueError(f"quantization_config.zero_point: {qc.get('zero_point')!r} is not supported "
-                                 f"(AutoAWQ GEMM checkpoints carry zero points)")
-            _not_converted(qc.get("modules_to_not_convert"), "quantization_config.modules_to_not_convert", True)
-            return cls("awq", _group(qc.get("group_size", qc.get("q_group_size")), "quantization_config.group_size"))
-        if method == "gptq":
-            _bits(qc.get("bits"), "quantization_config.bits")
-            fmt = qc.get("checkpoint_format") or "gptq"
-            if fmt not in ("gptq", "gptq_v2"):
-                raise ValueError(f"quantization_config.checkpoint_format: {fmt!r} is not supported (gptq or gptq_v2)")
-            if qc.get("lm_head"):
-                raise ValueError("quantization_config.lm_head: true is not supported (ridge keeps the LM head unquantized)")
-            if qc.get("dynamic"):
-                raise ValueError("quantization_config.dynamic: per-module overrides are not supported")
-            return cls("gptq", _group(qc.get("group_size"), "quantization_config.group_size"),
-                       symmetric=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)), has_g_idx=True,
-                       checkpoint_format=fmt)
-        if method == "compressed-tensors":
-            return _compressed_tensors(qc)
-        raise ValueError(f"quantization_config.quant_method: {qc.get('quant_method')!r} is not supported "
-                         f"(ridge loads INT4 {', '.join(FORMATS)})")
-
-
-def _bits(bits, field: str) -> None:
-    if bits != 4:
-        raise ValueError(f"{field}: {bits!r} is not supported (INT4 only)")
-
-
-def _group(g, field: str) -> int:
-    if isinstance(g, bool) or not isinstance(g, int) or not (g > 0 or g == -1):
-        raise ValueError(f"{field}: {g!r} is not supported (a positive group size, or -1 for one group per output)")
-    return g
-
-
-def _not_converted(entries, field: str, substring: bool) -> None:
-    """Modules a config leaves unquantized: ridge quantizes every projection and only those."""
-    for e in entries or ():
-        if substring:
-            hit = [m for m in _PROJECTIONS if e in m]
-        else:       # compressed-tensors: the module's full name, or "re:" and a regex matched from its start
-            hit = [m for m in _PROJECTIONS if (re.match(e[3:], m) if e.startswith("re:") else e == m)]
-        if hit:
-            raise ValueError(f"{field}: {e!r} leaves projections unquantized (e.g. {hit[0]}); ridge quantizes every "
-                             f"projection and keeps only {' and '.join(_UNQUANTIZED)} in the activation dtype")
-
-
-def _compressed_tensors(qc: dict) -> Int4Config:
-    top = qc.get("format")
-    groups = formats.compressed_tensors_groups(qc, "weight-only INT4")
-    schemes = set()
-    for name, group in groups.items():
-        field = f"quantization_config.config_groups.{name}"
-        fmt = group.get("format") or top
-        if fmt != "pack-quantized":
-            raise ValueError(f"{field}.format: {fmt!r} is not supported (INT4 pack-quantized only)")
-        if group.get("input_activations") or group.get("output_activations"):
-            raise ValueError(f"{field}.input_activations: activation quantization is not supported (W4A16 only)")
-        w = group.get("weights") or {}
-        _bits(w.get("num_bits"), f"{field}.weights.num_bits")
-        if w.get("type", "int") != "int":
-            raise ValueError(f"{field}.weights.type: {w.get('type')!r} is not supported (int only)")
-        strategy = w.get("strategy") or ("channel" if w.get("group_size") in (None, -1) else "group")
-        if strategy not in ("group", "channel"):
-            raise ValueError(f"{field}.weights.strategy: {strategy!r} is not supported (group or channel)")
-        if w.get("dynamic"):
-            raise ValueError(f"{field}.weights.dynamic: {w['dynamic']!r} is not supported (static weights only)")
-        size = -1 if strategy == "channel" else _group(w.get("group_size"), f"{field}.weights.group_size")
-        actorder = str(w.get("actorder")).lower()
-        schemes.add((size, bool(w.get("symmetric", True)), actorder in ("group", "dynamic")))
-    if len(schemes) > 1:
-        raise ValueError("quantization_config.config_groups: groups with different weight schemes are not supported")
-    _not_converted(qc.get("ignore"), "quantization_config.ignore", False)
-    size, symmetric, g_idx = schemes.pop()
-    return Int4Config("compressed-tensors", size, symmetric=symmetric, has_g_idx=g_idx)
-
-
-def select_quantization(setting: str | None, hf_config: dict | None) -> Int4Config | Fp8Config | None:
-    """The scheme a model loads with, from the `quantization` setting and config.json's quantization_config."""
-    if setting == "fp8":
-        if hf_config is not None:
-            raise ValueError(f"quantization: 'fp8' quantizes a float checkpoint at load, and this checkpoint is "
-                             f"quantized (quantization_config.quant_method {hf_config.get('quant_method')!r})")
-        return Fp8Config()
-    if setting == "int4":
-        if hf_config is not None:
-            raise ValueError(f"quantization: 'int4' quantizes a float checkpoint at load, and this checkpoint is "
-                             f"already quantized (quantization_config.quant_method "
-                             f"{hf_config.get('quant_method')!r}); leave quantization unset to load it as it is")
-        return Int4Config("int4", AT_LOAD_GROUP)
-    if setting is not None and setting not in FORMATS:
-        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}; got {setting!r}")
-    if hf_config is None:
-        if setting is not None:
-            raise ValueError(f"quantization: {setting!r} needs a checkpoint whose config.json has a "
-                             f"quantization_config, and this one has none (use 'int4' to quantize at load)")
-        return None
-    cfg = Int4Config.from_hf(hf_config)
-    if setting is not None and setting != cfg.format:
-        raise ValueError(f"quantization: {setting!r} does not match the checkpoint's "
-                         f"quantization_config.quant_method {hf_config.get('quant_method')!r}")
-    return cfg
-
-
-# -- the layer -------------------------------------------------------------------------------------
-class Int4Linear:
+class Int4Linear(LinearMethod):
     """A Linear's INT4 tables and how they load, run and cost (the Linear passes itself in)."""
 
     def __init__(self, config: Int4Config, layer: nn.Module):
-        self.config, fmt = config, config.format
+        self.config = config
+        self.group_size = config.group_for(layer.in_features)
+        self.paths: dict[int, str] | None = None    # batch bucket -> "int4" / "dequant" (int4/dispatch.py)
+        self.workspace: DequantWorkspace | None = None      # the dequant path's 16-bit weight
+        self.names: dict[str, str] = {}
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """One parameter per checkpoint tensor of the format, under its name, each loading into ridge's table."""
+        config, fmt = self.config, self.config.format
         k, n = layer.in_features, layer.out_features
         if layer.parallel == "row" and (config.group_size == -1 or config.desc_act):
             groups = "act-order (desc_act) groups" if config.desc_act else "one group of all inputs"
             raise ValueError(f"quantization_config: {groups} cannot be split across {layer.tp.size} tensor-parallel "
                              f"ranks (each holds a share of the inputs); load it with tensor_parallel_size 1")
-        self.group_size = g = config.group_for(k)
+        g = self.group_size
         field = (f"quantization: 'int4' (group size {g})" if fmt == "int4"
                  else f"quantization_config.group_size: {config.group_size}")
         share = f" (its share on each of {layer.tp.size} tensor-parallel ranks)" if layer.parallel == "row" else ""
@@ -225,18 +85,22 @@ class Int4Linear:
                   "zeros": torch.full((groups, n), 8.0), "g_idx": torch.empty(shards, k, dtype=torch.int32),
                   "shape": torch.empty(shards, 2, dtype=torch.int64)}
         shard_ids = list(layer.shards) if shards > 1 else None
-        self.names = {}
         for role in ("qweight", "scales", "zeros", "g_idx", "shape"):
             if role in names:
                 param = nn.Parameter(tables[role], requires_grad=False)
-                layer.register_parameter(names[role], set_weight_loader(param, partial(self.load, layer, role), shard_ids))
+                layer.register_parameter(names[role], set_weight_loader(param, self.loader_of(layer, role), shard_ids))
                 self.names[role] = names[role]
             elif role in ("scales", "zeros"):
                 layer.register_buffer(role, tables[role])
                 self.names[role] = role
         layer.register_buffer("perm", None)       # act-order: the input permutation (finish_loading)
-        self.paths: dict[int, str] | None = None    # batch bucket -> "int4" / "dequant" (int4_dispatch)
-        self.workspace: DequantWorkspace | None = None      # the dequant path's 16-bit weight
+
+    def loader_of(self, layer, role: str):
+        """The loader of one of the layer's tables, holding the layer weakly: the layer holds the
+        parameter, so a parameter holding its layer would keep the weights on the device, in a cycle,
+        until a collection ran (ridge/layers/weights.py's LayerLoader, for a method of this object)."""
+        layer_ref = weakref.ref(layer)
+        return lambda param, loaded, shard_id=None: self.load(layer_ref(), role, param, loaded, shard_id)
 
     def table(self, layer, role: str) -> torch.Tensor:
         return getattr(layer, self.names[role])
@@ -376,6 +240,13 @@ class Int4Linear:
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def permute_outputs(self, layer, rows: torch.Tensor) -> None:
+        """The tables, quantized as they loaded, are [*, N]: their columns move (codes, scales and zero
+        points are per output column of ridge's layout)."""
+        for role in ("qweight", "scales", "zeros"):
+            t = self.table(layer, role)
+            t.data.copy_(t.data[:, rows.to(t.device)])
 
     def precision(self, act: Precision, rows: int) -> Precision:
         """Half a byte a weight, plus a scale and a zero point (activation dtype) per group of G; where

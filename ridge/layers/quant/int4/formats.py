@@ -218,22 +218,6 @@ def compressed_tensors_config(group_size: int, symmetric: bool, ignore: list[str
 
 
 # -- reading: checkpoint tensors -> q, z as [rows, cols] codes (the layer packs them along K) --------
-def compressed_tensors_groups(qc: dict, what: str) -> dict:
-    """The config_groups of a compressed-tensors quantization_config, after the checks every
-    scheme ridge reads shares (compressed, no sparsity, KV-cache or transform scheme); `what` names
-    what ridge reads of the format, for the error."""
-    if qc.get("quantization_status", "compressed") != "compressed":
-        raise ValueError(f"quantization_config.quantization_status: {qc['quantization_status']!r} is not supported "
-                         f"(ridge reads compressed checkpoints)")
-    for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
-        if qc.get(key):
-            raise ValueError(f"quantization_config.{key}: is not supported ({what} only)")
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise ValueError("quantization_config.config_groups: is missing or empty")
-    return groups
-
-
 def awq_codes(packed: torch.Tensor) -> torch.Tensor:
     """AutoAWQ qweight [K, n / 8] or qzeros [groups, n / 8] -> [K or groups, n] codes."""
     return unpack_last(packed, AWQ_ORDER)

@@ -14,25 +14,22 @@ operands, the activation quantization included in the FP8 ones, replayed from a 
     cuBLAS via F.linear),
 and keeps the fastest per bucket. A batch of M rows takes the choice of the first bucket >= M.
 The FP8 times include the quantization pass, except for the projections whose producer quantizes
-for them (QKV, gate-up, down: ridge/layers/quant/fp8_linear.py), which are timed on an activation
+for them (QKV, gate-up, down: ridge/layers/quant/fp8/linear.py), which are timed on an activation
 already quantized, the GEMM alone, as they run (their tables are cached apart: `fed`).
-The table is cached per device (RIDGE_CACHE_DIR/fp8, like the roofline's ceilings), so only the
-first start on a GPU pays for the timing (seconds for an 8B model).
+The table is cached per device (ridge/layers/tuning.py: RIDGE_CACHE_DIR/fp8), so only the first start
+on a GPU pays for the timing (seconds for an 8B model).
 """
 from __future__ import annotations
 
-import bisect
-import os
 import torch
 import torch.nn.functional as F
 
 from ridge.kernels.fp8_gemm import cublas_fp8_gemm, fp8_gemm, quantize_act_fp8
 from ridge.kernels.gemv import gemv
 from ridge.layers.linear import uses_gemv
-from ridge.utils.device_cache import cache_root, cached, device_key
-from ridge.utils.graph_timing import error_line, graph_time_us
+from ridge.layers.tuning import BUCKETS, Path, bucket_of, measured, table_file, time_paths
+from ridge.utils.graph_timing import graph_time_us
 
-BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_gemm.py found fastest somewhere
     "tma128x128": dict(tma=True, block_m=128, block_n=128, num_warps=8, num_stages=3),
     "tma64x128": dict(tma=True, block_m=64, block_n=128, num_warps=4, num_stages=4),
@@ -44,11 +41,6 @@ TRITON_CONFIGS = {  # name -> fp8_gemm tile arguments; the ones benchmarks/fp8_g
 }
 SPLIT_MAX_M = 512          # split K pays only while the tiles alone cannot fill the GPU
 VERSION = 2                # 2: graph-replay timing
-
-
-def bucket_of(m: int) -> int:
-    """The representative batch size whose choice serves m rows."""
-    return BUCKETS[min(bisect.bisect_left(BUCKETS, m), len(BUCKETS) - 1)]
 
 
 def fp8_matmul(path: str, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -69,30 +61,24 @@ def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv(x, w) if uses_gemv(x, w) else F.linear(x, w)
 
 
-def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False) -> dict:
-    """{bucket: {"choice": path, "us": {path: microseconds}}} for one weight (bf16 w and its FP8 form);
-    fed: the FP8 paths' input arrives quantized (the GEMM alone is timed)."""
+def measure_shape(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: bool = False,
+                  buckets: tuple[int, ...] = BUCKETS) -> dict:
+    """{bucket: {"choice": path, "us": {path: microseconds}, "errors": {...}}} for one weight (bf16 w
+    and its FP8 form); fed: the FP8 paths' input arrives quantized (the GEMM alone is timed). Any
+    error a path raises (a path this torch / GPU lacks, a config out of resources) rules it out."""
     n, k = w.shape
     gen = torch.Generator(device=w.device).manual_seed(n * 7 + k)
     table = {}
-    for m in BUCKETS:
+    for m in buckets:
         x = torch.randn(m, k, generator=gen, device=w.device).to(w.dtype)
         xq, xs = quantize_act_fp8(x) if fed else (None, None)
-        paths = ["bf16", "cublas"] + [f"triton:{c}" for c, a in TRITON_CONFIGS.items()
-                                      if a.get("split_k", 1) == 1 or m <= SPLIT_MAX_M]
-        us, errors = {}, {}
-        for p in paths:
-            if p == "bf16":
-                fn = lambda: bf16_matmul(x, w)  # noqa: E731
-            elif fed:
-                fn = lambda p=p: quantized_matmul(p, xq, xs, wq, ws, x.dtype)  # noqa: E731
-            else:
-                fn = lambda p=p: fp8_matmul(p, x, wq, ws)  # noqa: E731
-            try:
-                us[p] = graph_time_us(fn)
-            except Exception as e:  # noqa: BLE001  a path this torch / GPU lacks, or a config out of resources
-                errors[p] = error_line(e)
-        table[str(m)] = {"choice": min(us, key=us.get), "us": us, "errors": errors}
+        paths = {"bf16": Path(lambda: bf16_matmul(x, w), catch=(Exception,))}
+        for p in ["cublas"] + [f"triton:{c}" for c, a in TRITON_CONFIGS.items()
+                               if a.get("split_k", 1) == 1 or m <= SPLIT_MAX_M]:
+            run = ((lambda p=p: quantized_matmul(p, xq, xs, wq, ws, x.dtype)) if fed
+                   else (lambda p=p: fp8_matmul(p, x, wq, ws)))
+            paths[p] = Path(run, catch=(Exception,))
+        table[str(m)] = time_paths(paths, timer=graph_time_us)
     return table
 
 
@@ -102,8 +88,8 @@ def dispatch_table(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fed: boo
     the per-device cache or measured now. allow_bf16=False: the fastest FP8 path of each bucket, for
     a model that cannot keep a bf16 copy of its weights beside the FP8 ones."""
     n, k = w.shape
-    name = f"dispatch-{device_key(w.device)}-{n}x{k}{'-fed' if fed else ''}.json"
-    table = cached(os.path.join(cache_root(), "fp8", name), VERSION, lambda: measure_shape(w, wq, ws, fed))
+    table = measured(table_file("fp8", "dispatch", w.device, f"{n}x{k}{'-fed' if fed else ''}"), VERSION, BUCKETS,
+                     lambda buckets: measure_shape(w, wq, ws, fed, buckets))
     if allow_bf16:
         return {int(m): e["choice"] for m, e in table.items()}
     fp8 = {int(m): {p: t for p, t in e["us"].items() if p != "bf16"} for m, e in table.items()}
