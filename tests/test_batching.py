@@ -48,7 +48,8 @@ def ample(checkpoints):
 
 def test_preemption_and_chunking_give_identical_outputs(checkpoints, ample):
     path = checkpoints("llama")
-    page_bytes = LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20).engine.runner.kv_bytes_per_page()
+    with LLM(path, device="cpu", show_progress=False, kv_cache_memory=1 << 20) as llm:
+        page_bytes = llm.engine.runner.kv_bytes_per_page()
     # 40 pages of 16 tokens: a few requests at a time; prompts are prefilled in chunks of 64
     outs, llm = _run(path, kv_cache_memory=40 * page_bytes, max_num_batched_tokens=64)
     assert llm.engine.cfg.num_pages == 40

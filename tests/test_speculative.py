@@ -268,7 +268,8 @@ def test_k_follows_acceptance_and_the_cutoff_follows_the_roofline():
     assert best_k(None, 4, 0.0) == 4 and best_k(0.95, 4, 0.0) == 4
     assert 1 <= best_k(0.5, 8, 0.05) < 8 and best_k(0.02, 4, 0.0) == 0
     assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2) and expected_tokens(1.0, 3) == 4
-    model = LLM(DEMO, device="cpu", show_progress=False).engine.runner.model
+    llm = LLM(DEMO, device="cpu", show_progress=False)     # held: a dropped LLM gives its model back
+    model = llm.engine.runner.model
 
     class Roof:
         def __init__(self, flops, bandwidth):

@@ -95,8 +95,10 @@ def _write_fp8(src: str, out: str, engine_settings: dict, show_progress: bool) -
     from ridge.quantize.checkpoint import fp8_tensors, write_checkpoint
 
     config = checkpoint_format("fp8").WRITTEN_SCHEME
-    net = LLM(src, show_progress=show_progress, **{**engine_settings, "enable_prefix_caching": False}).engine.runner.model
-    write_checkpoint(net, src, out, None, fp8_tensors(net, config), config.to_hf())
+    # the LLM closes (its model goes from its runner) when it goes: hold it while the model is read
+    with LLM(src, show_progress=show_progress, **{**engine_settings, "enable_prefix_caching": False}) as llm:
+        net = llm.engine.runner.model
+        write_checkpoint(net, src, out, None, fp8_tensors(net, config), config.to_hf())
     summary = dict(model=src, out=out, method="fp8", format="HF fp8 (e4m3, 128 x 128 block scales)")
     with open(os.path.join(out, "quantize_report.json"), "w") as f:
         json.dump(summary, f, indent=2)
