@@ -10,7 +10,7 @@ import pytest
 
 from ridge.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.tests_support import REPO as ROOT
 # A small KV pool: the CPU default (1 GiB) spends the run faulting in fresh pages.
 SMALL_KV = ["--kv-cache-memory", "4e6"]
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ridge.bench.serve import RequestResult, arrival_offsets, summarize_run
-from tests_support import free_port, wait_healthy
+from tests.tests_support import free_port, wait_healthy
 
 
 def test_arrival_offsets_are_poisson():

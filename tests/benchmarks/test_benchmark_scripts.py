@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.tests_support import REPO as ROOT
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPTS = sorted(glob.glob(os.path.join(BENCH, "*.py")))
 LIBRARIES = ("timing.py", "case_study_serve.py", "case_study_story.py", "tp_scale.py")          # imported by the scripts, not run

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.tests_support import REPO as ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "case_study_70b.py")
 
 
@@ -94,7 +94,7 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
     import shutil
     from types import SimpleNamespace
 
-    from tests_support import load_benchmark
+    from tests.tests_support import load_benchmark
     cs = load_benchmark("case_study_70b")
     out = tmp_path / "round-0"
     shutil.copytree(round0, out)

@@ -18,9 +18,9 @@ import pytest
 from ridge.cli import build_parser
 from ridge.server.cli import build_app
 from ridge.config import model_dir
-from tests_support import serving
+from tests.tests_support import REPO, serving
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(REPO) / "README.md"
 
 
 def _serving_section() -> str:

@@ -3,7 +3,7 @@ every page is free again at the end."""
 import pytest
 
 from ridge import LLM, SamplingParams
-from conftest import prompt_of
+from tests.tests_support import prompt_of
 
 
 def assert_pool_free(llm):

@@ -113,7 +113,7 @@ def race_top5(hf, tokens, params, step):
     sampler maximises) under transformers' logits and this request's own noise at `step`:
     the sampled-token analogue of the greedy top-5 check."""
     from ridge.layers.sampler import filter_probs, uniform_noise
-    from tests_support import single_row_batch
+    from tests.tests_support import single_row_batch
     with torch.no_grad():
         logits = hf(torch.tensor([tokens], device="cuda")).logits[0, -1].float()[None]
     b = single_row_batch(params, step, logits.shape[-1], logits.device)

@@ -2,7 +2,7 @@
 import pytest
 
 from ridge import SamplingParams
-from conftest import prompt_of
+from tests.tests_support import prompt_of
 
 GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 # test_attention_kernels chooses the interpreter before triton is imported: import it first
-import test_attention_kernels as kernel_tests
-from test_attention_kernels import CPU, make_batch, needs_gpu, run_poisoned
+from tests.kernels import test_attention_kernels as kernel_tests
+from tests.kernels.test_attention_kernels import CPU, make_batch, needs_gpu, run_poisoned
 
 from ridge.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from ridge.kernels.attention_triton import triton_paged_attention
@@ -210,7 +210,7 @@ def test_gpu_prefill_fp8_llama8b():
 
 # ------------------------------------------------------------------------- the benchmark's plan
 def test_benchmark_plan_and_fp8_layout(monkeypatch):
-    from tests_support import load_benchmark
+    from tests.tests_support import load_benchmark
     b = load_benchmark("attention")
     monkeypatch.delenv("OUT", raising=False)
     assert b.decode_plan(b.parse_args([])) == list(b.DECODE_SHAPES)

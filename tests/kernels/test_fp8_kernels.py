@@ -128,7 +128,7 @@ def test_e4m3_rounding_at_binade_edges_ties_and_subnormals():
 
 
 def test_benchmark_plan_and_dry_run(capsys, monkeypatch):
-    from tests_support import load_benchmark
+    from tests.tests_support import load_benchmark
     b = load_benchmark("fp8_gemm")
     monkeypatch.delenv("OUT", raising=False)
     plan = b.cases(b.parse_args([]))

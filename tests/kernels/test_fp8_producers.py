@@ -151,7 +151,7 @@ def test_empty_batches():
 def test_benchmark_plan_and_bytes(capsys, monkeypatch):
     """benchmarks/fp8_producers.py: the 8B shape at the four token counts; the separate pass moves
     the bf16 intermediate twice more (written, read back) than the fused kernel."""
-    from tests_support import load_benchmark
+    from tests.tests_support import load_benchmark
     b = load_benchmark("fp8_producers")
     monkeypatch.delenv("OUT", raising=False)
     plan = b.cases(b.parse_args([]))
@@ -193,7 +193,7 @@ def test_gpu_fused_producers_at_8b_shapes(tokens):
 @needs_gpu
 def test_gpu_fused_producers_replay_in_a_cuda_graph():
     """The decode step captures them: replayed on new inputs, the graph's outputs are the eager ones."""
-    from tests_support import capture_cuda_graph
+    from tests.tests_support import capture_cuda_graph
     x, res, w = norm_inputs(8, HIDDEN, BF16, seed=5, device="cuda")
     gu = gate_up(8, INTER, BF16, seed=6, device="cuda")
     graph, (norm_out, silu_out) = capture_cuda_graph(lambda: (rms_norm_fp8(x, w, 1e-5, res), silu_and_mul_fp8(gu)))

@@ -13,9 +13,9 @@ from ridge.layers import activation, norm
 from ridge.layers.activation import SiluAndMul
 from ridge.layers.norm import RMSNorm
 from ridge.layers.rotary import RotaryEmbedding
-from test_fused_kernels import (BF16, NEAR, apply_rotary, assert_bf16_match, assert_rotary_bf16, needs_gpu,
+from tests.kernels.test_fused_kernels import (BF16, NEAR, apply_rotary, assert_bf16_match, assert_rotary_bf16, needs_gpu,
                                 poisoned, rope_truth)
-from tests_support import capture_cuda_graph
+from tests.tests_support import capture_cuda_graph
 
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128

@@ -29,7 +29,7 @@ from ridge.kernels.silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from ridge.layers import linear  # noqa: E402
 from ridge.layers.activation import SiluAndMul  # noqa: E402
 from ridge.layers.linear import Linear  # noqa: E402
-from tests_support import capture_cuda_graph, load_benchmark  # noqa: E402
+from tests.tests_support import capture_cuda_graph, load_benchmark  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 U_OUT = {BF16: 2.0**-8, FP16: 2.0**-11, FP32: 2.0**-24}

@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 from ridge.kernels import int4_gemv as gv  # noqa: E402
 from ridge.kernels.int4_gemm import gemm_split_k  # noqa: E402
 from ridge.kernels.int4_matmul import dequantize_int4, int4_matmul, int4_matmul_ref, pack_int4  # noqa: E402
-from tests_support import load_benchmark  # noqa: E402
+from tests.tests_support import load_benchmark  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 U = {BF16: 2.0**-8, FP16: 2.0**-11}
@@ -306,7 +306,7 @@ def test_gpu_short_last_group_v2_lite_down(M):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_cuda_graph_replays_on_new_inputs():
-    from tests_support import capture_cuda_graph
+    from tests.tests_support import capture_cuda_graph
     seed = fresh_seed()
     for M in (1, 16, 128):
         x, qw, s, z = make(M, 4096, 14336, 128, BF16, seed, device="cuda")

@@ -7,7 +7,7 @@ import torch
 
 from ridge.kernels import pdl
 from ridge.kernels.pdl import launch_options, use_pdl
-from tests_support import capture_cuda_graph
+from tests.tests_support import capture_cuda_graph
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-from test_fused_kernels import apply_rotary  # noqa: E402
-from test_rope_kv_write import PAGE, make_inputs  # noqa: E402
+from tests.kernels.test_fused_kernels import apply_rotary  # noqa: E402
+from tests.kernels.test_rope_kv_write import PAGE, make_inputs  # noqa: E402
 
 from ridge.kernels.kv_fp8 import FP8, dequantize_rows_ref, hadamard_signs, quantize_rows_ref, scale_of  # noqa: E402
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref, rotate_ref  # noqa: E402
@@ -118,7 +118,7 @@ def test_bad_scales_are_named():
 def test_hadamard_lowers_attention_error_on_outliers():
     """benchmarks/kv_fp8_error.py at a small size: the rotation lowers attention's error over an
     FP8 cache on FlashAttention-3's outlier inputs."""
-    from tests_support import load_benchmark
+    from tests.tests_support import load_benchmark
     e = load_benchmark("kv_fp8_error").errors(256, 64, 2, seed=0)
     assert e["rmse_fp8_hadamard"] < e["rmse_fp8"] < 0.05
 

@@ -19,15 +19,15 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-from test_fused_kernels import apply_rotary, assert_rotary_bf16, rope_truth  # noqa: E402
-from test_fused_kernels_gpu import fresh_generator  # noqa: E402
+from tests.kernels.test_fused_kernels import apply_rotary, assert_rotary_bf16, rope_truth  # noqa: E402
+from tests.kernels.test_fused_kernels_gpu import fresh_generator  # noqa: E402
 
 from ridge.kernels.attention_meta import AttentionMetadata  # noqa: E402
 from ridge.kernels.attention_ref import write_kv_ref  # noqa: E402
 from ridge.kernels.rotary import apply_rotary_ref, rope_write_kv, rope_write_kv_ref  # noqa: E402
 from ridge.layers.attention import TORCH_BACKEND, Attention, select_backend  # noqa: E402
 from ridge.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests_support import capture_cuda_graph  # noqa: E402
+from tests.tests_support import capture_cuda_graph  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 PAGE = 16

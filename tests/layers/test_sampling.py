@@ -3,7 +3,7 @@ import torch
 
 from ridge import SamplingParams
 from ridge.layers.sampler import SamplingBatch, apply_penalties, filter_probs, sample, uniform_noise
-from conftest import prompt_of
+from tests.tests_support import prompt_of
 
 
 def test_seeded_sampling_is_batch_invariant_and_seed_dependent(tiny_llm):

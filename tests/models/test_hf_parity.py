@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from ridge import LLM, SamplingParams
 from ridge.eval_ppl import token_logprobs
-from conftest import PROMPT_LENGTHS, prompt_of
+from tests.tests_support import PROMPT_LENGTHS, prompt_of
 
 
 def hf_greedy(model, prompt, n):

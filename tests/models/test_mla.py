@@ -16,8 +16,8 @@ from ridge.layers.mla import LatentAttention
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.model_config import GroupedRouting, ModelConfig
 from ridge.utils.random_checkpoint import PRESETS
-from conftest import prompt_of
-from test_batching import assert_pool_free
+from tests.tests_support import prompt_of
+from tests.engine.test_batching import assert_pool_free
 
 interpret = pytest.mark.skipif(not triton.knobs.runtime.interpret,
                                reason="Triton kernels on a CPU need TRITON_INTERPRET=1")

@@ -8,7 +8,7 @@ import torch
 
 from ridge.kernels.mla_attention import (MLADecodeTiles, absorb_query, mla_attention_ref, mla_decode_attention,
                                          unabsorb_output)
-from test_mla import _decode_batch
+from tests.models.test_mla import _decode_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def test_deepseek_engine_on_cuda_matches_transformers(checkpoints, backend):
     from transformers import AutoModelForCausalLM
 
     from ridge import LLM, SamplingParams
-    from conftest import prompt_of
+    from tests.tests_support import prompt_of
     path = checkpoints("deepseekv3")
     llm = LLM(path, device="cuda", dtype="float32", show_progress=False, max_model_len=256, attention_backend=backend)
     assert (llm.engine.runner.decode_graphs is not None) == (backend == "triton")

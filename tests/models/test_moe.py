@@ -14,8 +14,8 @@ from ridge.kernels.moe_gemm import GroupedTiles, SmallTiles, fused_moe_grouped, 
 from ridge.kernels.moe_route import align_by_expert, align_by_expert_ref, max_blocks, route_topk, route_topk_ref
 from ridge.layers.cost import StepShape
 from ridge.layers.moe import FusedMoE
-from conftest import prompt_of
-from test_batching import assert_pool_free
+from tests.tests_support import prompt_of
+from tests.engine.test_batching import assert_pool_free
 
 interpret = pytest.mark.skipif(not triton.knobs.runtime.interpret, reason="Triton kernels on a CPU need TRITON_INTERPRET=1")
 

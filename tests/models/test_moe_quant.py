@@ -18,8 +18,8 @@ from ridge.layers.quant.formats import dequantize, quantize_rtn
 from ridge.layers.quant.fp8 import Fp8BlockConfig, dequantize_fp8_block, quantize_fp8_block
 from ridge.layers.quant.int4 import Int4Linear
 from ridge.utils.random_checkpoint import make_random_checkpoint
-from conftest import prompt_of
-from test_hf_parity import assert_first_step_logits_match, hf_greedy
+from tests.tests_support import prompt_of
+from tests.models.test_hf_parity import assert_first_step_logits_match, hf_greedy
 
 # what DeepSeek-V3's checkpoint holds in e4m3 with a weight_scale_inv per 128 x 128 block: every
 # projection of attention and of the MLPs (dense, shared and routed experts); the router

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from ridge import LLM, SamplingParams
 from ridge.parallel import RankFailure, TensorParallel
-from conftest import PROMPT_LENGTHS, prompt_of
-from test_hf_parity import assert_first_step_logits_match, hf_greedy
+from tests.tests_support import PROMPT_LENGTHS, prompt_of
+from tests.models.test_hf_parity import assert_first_step_logits_match, hf_greedy
 
 TP2 = dict(device="cpu", show_progress=False, max_model_len=256, tensor_parallel_size=2)
 

@@ -6,8 +6,8 @@ import pytest
 
 from ridge import LLM, SamplingParams
 from ridge.utils.random_checkpoint import make_random_checkpoint
-from conftest import prompt_of
-from test_int4_formats import VARIANTS, quantize_checkpoint
+from tests.tests_support import prompt_of
+from tests.layers.quant.test_int4_formats import VARIANTS, quantize_checkpoint
 
 KW = dict(device="cpu", show_progress=False, max_model_len=128)
 PROMPTS = [prompt_of(n, salt=i) for i, n in enumerate((4, 19, 33))]

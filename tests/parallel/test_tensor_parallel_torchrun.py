@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ridge import LLM, SamplingParams
-from tests_support import free_port
+from tests.tests_support import free_port
 
 SCRIPT = """
 import json, sys

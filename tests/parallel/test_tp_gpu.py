@@ -14,7 +14,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # NVLink multicast off (
 
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.parallel import RankFailure  # noqa: E402
-from conftest import prompt_of  # noqa: E402
+from tests.tests_support import prompt_of  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -48,7 +48,7 @@ def released(pool) -> bool:
 
 def test_float32_greedy_matches_one_gpu_and_transformers(model):
     from transformers import AutoModelForCausalLM
-    from test_hf_parity import hf_greedy
+    from tests.models.test_hf_parity import hf_greedy
 
     prompts = [prompt_of(n, salt=i, vocab=1000) for i, n in enumerate((5, 40, 17))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -128,7 +128,7 @@ def test_ridge_generate_under_torchrun_on_two_gpus(model):
     import subprocess
     import sys
 
-    from tests_support import free_port
+    from tests.tests_support import free_port
 
     kw = dict(dtype="float32", attention_backend="torch", max_model_len=256, show_progress=False)
     want = LLM(model, **kw).generate("def fib(n):", SamplingParams(temperature=0, max_tokens=12),

@@ -14,6 +14,7 @@ from ridge.utils.ceilings import Ceilings
 from ridge.roofline.costs import (PRECISIONS, decode_shape, kv_bytes_per_token, parameter_bytes, prefill_shape,
                                   step_costs, utilization)
 from ridge.roofline.predict import launch_floor_s, predict, predicted_step_s
+from tests.tests_support import REPO
 
 OPS = ("embed", "norm", "qkv_proj", "qk_norm", "rope_kv_write", "attention", "o_proj",
        "gate_up_proj", "activation", "down_proj", "final_norm", "lm_head", "sampling")
@@ -313,7 +314,7 @@ def test_mbu_and_mfu_are_computed_in_one_place():
     """Every MBU / MFU in ridge comes from ridge.roofline.costs.utilization."""
     import re
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ridge")
+    root = os.path.join(REPO, "ridge")
     computed = []
     for d, _, files in os.walk(root):
         for name in files:

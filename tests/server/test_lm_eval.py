@@ -17,7 +17,7 @@ import pytest
 from ridge import LLM
 from ridge.assets import DEMO_MODEL, demo_model_path
 from ridge.eval_ppl import score
-from server_support import ServeProcess
+from tests.server_support import ServeProcess
 
 KEY = "sk-lm-eval"
 GENERATE = [{"prompt": "def add(a, b):\n    return", "answer": " a + b"},

@@ -19,8 +19,8 @@ from ridge.engine.token_text import TokenTexts
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
 from ridge.server.logprobs import TextOffsets, chat_logprobs
-from server_support import KEY, Served
-from tests_support import serving
+from tests.server_support import KEY, Served
+from tests.tests_support import serving
 
 MODEL = "demo"
 CODE = "def fib(n):\n    if n < 2:\n        return n\n"     # the demo model continues it with newlines

@@ -8,7 +8,7 @@ import pytest
 
 from ridge import LLM, SamplingParams
 from ridge.server.text_stream import TextDelta
-from server_support import MAX_LEN, MODEL, metric
+from tests.server_support import MAX_LEN, MODEL, metric
 
 
 # -- 1. the API, through the openai client -----------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from server_support import AUTH, KEY, MAX_LEN, MODEL, batch_sizes, metric, slow_steps, wait_pool_free
+from tests.server_support import AUTH, KEY, MAX_LEN, MODEL, batch_sizes, metric, slow_steps, wait_pool_free
 
 
 # -- 2. every bad input: the documented status, an OpenAI error body naming the parameter -----------

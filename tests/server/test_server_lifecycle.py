@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_support import ServeProcess
+from tests.server_support import ServeProcess
 
 READ_TIMEOUT = 1.0
 DRAIN = 3.0

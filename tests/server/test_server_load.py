@@ -16,7 +16,7 @@ from ridge import LLM
 from ridge.config import model_dir
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from tests_support import load_benchmark, serving
+from tests.tests_support import load_benchmark, serving
 
 STREAMS = 64
 

@@ -19,8 +19,8 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 from ridge import LLM
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from server_support import AUTH, KEY, MODEL
-from tests_support import serving
+from tests.server_support import AUTH, KEY, MODEL
+from tests.tests_support import serving
 
 EXAMPLES = 60
 BUDGET_S = 90                # both routes together, on a 2-core machine

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from ridge import SamplingParams
-from server_support import AUTH, MODEL
+from tests.server_support import AUTH, MODEL
 
 C = "/v1/completions"
 IDS = [5, 17, 300, 42, 9, 111]

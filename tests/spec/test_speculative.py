@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import prompt_of
+from tests.tests_support import prompt_of
 
 from ridge import LLM, SamplingParams
 from ridge.assets import demo_model_path

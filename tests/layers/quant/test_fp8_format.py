@@ -16,8 +16,8 @@ from ridge.layers.quant.fp8 import (FP8, FP8_MAX, UE8M0, Fp8BlockConfig, as_bloc
                                     dequantize_fp8_block, fp8_config_of, quantize_fp8_block)
 from ridge.quantize import quantize
 from ridge.utils.random_checkpoint import make_random_checkpoint
-from conftest import prompt_of
-from test_int4_formats import edit_config, first_step_logits, plain_checkpoint
+from tests.tests_support import prompt_of
+from tests.layers.quant.test_int4_formats import edit_config, first_step_logits, plain_checkpoint
 
 fp8_hf = pytest.importorskip("transformers.integrations.finegrained_fp8")
 

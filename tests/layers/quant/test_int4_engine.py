@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from ridge import LLM, SamplingParams
 from ridge.layers.quant import formats as F
 from ridge.utils.random_checkpoint import make_random_checkpoint
-from conftest import prompt_of
-from test_int4_formats import plain_checkpoint
+from tests.tests_support import prompt_of
+from tests.layers.quant.test_int4_formats import plain_checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -94,7 +94,7 @@ def test_a_short_last_group_loads_and_matches_the_float_twin(tmp_path):
     tables have 3 rows. quantization='int4' gives the RTN twin's logits and tokens; a compressed-tensors
     and a GPTQ act-order checkpoint (AutoGPTQ's and compressed-tensors' ceil(K / G) groups) load their
     reference weights exactly; one whose scales have K // G rows is refused naming the tensor."""
-    from test_int4_formats import build, dequantized_layers, merged_reference, quantize_checkpoint, variant
+    from tests.layers.quant.test_int4_formats import build, dequantized_layers, merged_reference, quantize_checkpoint, variant
     src = make_random_checkpoint(str(tmp_path / "src"), preset="tiny-g128", intermediate_size=320, num_hidden_layers=1)
     weights = load_file(os.path.join(src, "model.safetensors"))
     rtn = {name: F.dequantize(*F.quantize_rtn(w, 128, torch.float32), 128)

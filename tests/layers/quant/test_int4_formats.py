@@ -27,7 +27,7 @@ from ridge.layers.quant import formats as F
 from ridge.layers.quant.int4 import Int4Config, select_quantization
 from ridge.models.loader import load_model
 from ridge.utils.random_checkpoint import make_random_checkpoint
-from conftest import prompt_of
+from tests.tests_support import prompt_of
 
 # the input each projection reads: projections of one input share GPTQ's act-order permutation
 INPUT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "mlp", "up_proj": "mlp",
