@@ -2,7 +2,7 @@
 
 The kernels dequantize in registers, exactly (e4m3 x 2^e is exact in bf16 and fp32), so an FP8
 cache must give what the same kernels give on the dequantized cache: the tolerances are those of
-tests/test_attention_kernels.py. The quantization error itself (FP8 vs the bf16 values before
+tests/kernels/test_attention_kernels.py. The quantization error itself (FP8 vs the bf16 values before
 quantization) is a quality figure, reported by benchmarks/attention.py --kv-cache-dtype fp8.
 """
 import math

@@ -6,11 +6,11 @@ Triton interpreter at ragged shapes, and at the 8B shapes on a GPU (marked `gpu`
 Tolerance, two checks:
   * The same arithmetic: the fused kernel's (e4m3, scales) equal quantize_act_fp8_ref of the unfused
     kernel's own output bit for bit (interpreter). On a GPU Triton's `/` is not correctly rounded,
-    so, as for the standalone quantizer (tests/test_fp8_kernels.py), a code may sit one e4m3 step
+    so, as for the standalone quantizer (tests/kernels/test_fp8_kernels.py), a code may sit one e4m3 step
     away where x / scale lies on a rounding boundary (under 1e-3 of the elements), and a scale
     within 1e-6.
   * Against the composed reference: the unfused kernels meet their references under the bf16
-    contract of tests/test_fused_kernels.py (bit for bit except <= 2 ulps on <= 0.5% of the
+    contract of tests/kernels/test_fused_kernels.py (bit for bit except <= 2 ulps on <= 0.5% of the
     elements, where rsqrt / exp differ in the last fp32 bit). Such an element moves its code only
     where it lies on an e4m3 rounding boundary, and, where it is its group's largest, moves the
     group's scale by at most those 2 bf16 ulps (2^-7 relatively; fp32 activations: 1e-6), which

@@ -2,7 +2,7 @@
 
 On CPU the kernels run under the Triton interpreter (chosen before triton is imported); with a
 GPU they compile and the CPU-tensor tests are skipped; the `gpu` tests at Llama-8B shapes are in
-tests/test_fused_kernels_gpu.py.
+tests/kernels/test_fused_kernels_gpu.py.
 
 Rounding contract (bf16): RMSNorm and SiLU-and-mul round at exactly the reference's points, so
 they agree bit for bit except where rsqrt/exp or the reduction order differ in the last fp32 bit
@@ -298,7 +298,7 @@ def test_rotary_in_place_and_contiguous_inputs():
 
 def test_layers_use_the_reference_on_cpu(monkeypatch):
     """On CPU tensors the layers never reach a Triton launcher (the parity tests rely on it).
-    (Rotary is applied by the attention backend: tests/test_rope_kv_write.py.)"""
+    (Rotary is applied by the attention backend: tests/kernels/test_rope_kv_write.py.)"""
     def boom(*a, **kw):
         raise AssertionError("Triton path taken for a CPU tensor")
     monkeypatch.setattr(norm, "rms_norm", boom)

@@ -1,6 +1,6 @@
 """Fused Triton kernels (RMSNorm + residual, SiLU-and-mul, rotary) at Llama-8B shapes on a GPU
 (marked `gpu`): against their torch references under the rounding contract of
-tests/test_fused_kernels.py, captured in CUDA graphs, and dispatched to by the layers."""
+tests/kernels/test_fused_kernels.py, captured in CUDA graphs, and dispatched to by the layers."""
 import os
 
 import pytest

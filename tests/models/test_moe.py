@@ -1,7 +1,7 @@
 """Mixture of experts: the routing and expert kernels against their torch references in Triton's
 interpreter at ragged expert loads; the engine with MoE models (batch invariance, preemption and
 chunked prefill, sampling); checkpoint loading errors; the layer's cost.
-(HF-exactness of Mixtral, Qwen2-MoE and Qwen3-MoE: tests/test_hf_parity.py.)"""
+(HF-exactness of Mixtral, Qwen2-MoE and Qwen3-MoE: tests/models/test_hf_parity.py.)"""
 import json
 import shutil
 

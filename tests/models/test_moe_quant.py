@@ -1,7 +1,7 @@
 """Quantized mixture-of-experts and latent-attention models end to end on the CPU (issue 19, item 4):
 a DeepSeek-V3 checkpoint in the HF fp8 block format (what DeepSeek ships) against transformers on
 the dequantized weights; `--quantization int4` on Qwen3-MoE and DeepSeek-V2 against ridge's own
-float path on the RTN-dequantized weights. (The expert kernels' formats: tests/test_moe.py.)"""
+float path on the RTN-dequantized weights. (The expert kernels' formats: tests/models/test_moe.py.)"""
 import json
 import os
 

@@ -1,7 +1,7 @@
 """`ridge roofline`: the command end to end on the CPU, the diagnosis on workloads of known
 character (synthetic numbers, and real CPU copies, matmuls and tiny-op loops measured against
 this machine's measured ceilings), and the GPU known answers (marked `gpu`). The diagnosis on
-synthetic numbers: tests/test_roofline_diagnose.py."""
+synthetic numbers: tests/roofline/test_roofline_diagnose.py."""
 import json
 import os
 

@@ -1,7 +1,7 @@
 """`ridge roofline`'s diagnosis on synthetic numbers of known character (labels, a step's
 diagnosis, untimed fused ops folded into their hosts) and the CUDA-event timeline's bookkeeping
 with a fake clock: no model, no device. The command end to end and measured workloads:
-tests/test_roofline.py."""
+tests/roofline/test_roofline.py."""
 import pytest
 import torch
 

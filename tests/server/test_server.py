@@ -1,6 +1,6 @@
 """The OpenAI-compatible server's API: a real uvicorn server on loopback with the tiny checkpoint,
 driven by the official openai client (and raw httpx where a client would refuse to send). Bad
-input and robustness: tests/test_server_errors.py."""
+input and robustness: tests/server/test_server_errors.py."""
 from __future__ import annotations
 
 import httpx
