@@ -8,7 +8,7 @@ import torch
 
 from ridge.kernels.mla_attention import (MLADecodeTiles, absorb_query, mla_attention_ref, mla_decode_attention,
                                          unabsorb_output)
-from tests.models.test_mla import _decode_batch
+from tests.kernels.test_mla_kernels import _decode_batch
 
 pytestmark = pytest.mark.gpu
 
