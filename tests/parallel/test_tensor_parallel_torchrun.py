@@ -13,6 +13,10 @@ import pytest
 from ridge import LLM, SamplingParams
 from tests.tests_support import free_port
 
+# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
+# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
+pytestmark = pytest.mark.xdist_group("shared_memory")
+
 SCRIPT = """
 import json, sys
 from ridge import LLM, SamplingParams

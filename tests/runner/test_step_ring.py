@@ -9,6 +9,10 @@ import pytest
 
 from ridge.runner.step_ring import StepRing, decode_arrays, encode_arrays
 
+# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
+# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
+pytestmark = pytest.mark.xdist_group("shared_memory")
+
 
 def message(i: int) -> bytes:
     return encode_arrays(i % 3, [np.arange(i % 40, dtype=np.int32) + i, np.full(i % 7, i, dtype=np.int64),

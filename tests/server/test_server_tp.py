@@ -18,6 +18,10 @@ import pytest
 
 from ridge import LLM, SamplingParams
 
+# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
+# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
+pytestmark = pytest.mark.xdist_group("shared_memory")
+
 KEY, MODEL = "tp-key", "tiny"
 
 
