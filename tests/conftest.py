@@ -8,6 +8,11 @@ import torch
 # ridge (whose modules define the kernels); newer Triton reads it through triton.knobs at each launch.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread in this process and the ones its tests start: the test models' ops take
+    # microseconds, and OpenMP threads spinning at their barriers on cores that the other pytest-xdist
+    # workers need make every engine step many times slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # The Rust tokenizers' thread pool does not survive a fork (servers, ranks): off from the start, no process warns.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
