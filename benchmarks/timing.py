@@ -21,7 +21,7 @@ Why this shape:
     own graphs) is timed eagerly between the same event pairs, and the result says so (`mode`).
 
 The replay clock is injectable (`Replayer`), so the median / rotation logic is tested on the CPU
-with a fake clock (tests/test_benchmark_scripts.py).
+with a fake clock (tests/benchmarks/test_benchmark_scripts.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Writes BENCHMARKS.md, and the headline table between README.md's `headline figures` markers,
 from docs/benchmarks/current.json, the one file that holds ridge's current figures (the newest
 measurement of each thing, with its device, date, command, peer, ratio, journal entry and raw file;
-rows marked "headline" also go to the README). tests/test_benchmarks_doc.py fails when either page
+rows marked "headline" also go to the README). tests/docs/test_benchmarks_doc.py fails when either page
 differs from what this writes, when a row's journal anchor or raw file is missing, or when
 BENCHMARKS.md passes 200 lines.
 

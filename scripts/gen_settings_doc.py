@@ -1,6 +1,6 @@
 """Writes docs/settings.md from the settings classes themselves (ridge.config.EngineConfig, the one
 list of engine settings; ridge.server.config.ServerConfig, `ridge serve`'s own; the keys of
-`speculative_config`), so the page cannot drift from the code: tests/test_settings_doc.py fails
+`speculative_config`), so the page cannot drift from the code: tests/docs/test_settings_doc.py fails
 when the committed page differs from what this prints.
 
     python3 scripts/gen_settings_doc.py            # rewrite docs/settings.md

@@ -3,17 +3,20 @@ import os
 import pytest
 import torch
 
-from ridge.utils.random_checkpoint import make_random_checkpoint
+# Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tensors. Triton 3.6's
+# @triton.jit reads TRITON_INTERPRET when a kernel is decorated, so it is set before anything imports
+# ridge (whose modules define the kernels); newer Triton reads it through triton.knobs at each launch.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread in this process and the ones its tests start: the test models' ops take
+    # microseconds, and OpenMP threads spinning at their barriers on cores that the other pytest-xdist
+    # workers need make every engine step many times slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The Rust tokenizers' thread pool does not survive a fork (servers, ranks): off from the start, no process warns.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Token ids 0-2 are BOS/EOS/PAD in the test checkpoints; prompts avoid them so that
-# transformers' generate (which infers padding from pad ids) sees exactly what ridge sees.
-PROMPT_LENGTHS = (3, 21, 7, 16, 40)
-
-
-def prompt_of(length: int, salt: int = 0, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(1000 * salt + length)
-    return torch.randint(3, vocab, (length,), generator=g).tolist()
-
+from ridge.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
 
 ARCH_OVERRIDES = {
     "llama": {},
@@ -72,11 +75,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 @pytest.fixture(scope="module")
 def server(checkpoints):
     """The tiny checkpoint served on loopback (tests/server_support.py), one server per test module."""
-    from server_support import serve_tiny
+    from tests.server_support import serve_tiny
     yield from serve_tiny(checkpoints)

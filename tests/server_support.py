@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ridge import LLM, SamplingParams
 from ridge.server.app import create_app
 from ridge.server.config import ServerConfig
-from tests_support import serving
+from tests.tests_support import serving
 
 KEY = "test-key"
 MODEL = "tiny"

@@ -13,6 +13,18 @@ import torch
 
 from ridge.layers.sampler import SamplingBatch
 
+# The repository root: the benchmarks, the README and ridge/ as a test sees them, from any folder of tests/.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Token ids 0-2 are BOS/EOS/PAD in the test checkpoints; prompts avoid them so that
+# transformers' generate (which infers padding from pad ids) sees exactly what ridge sees.
+PROMPT_LENGTHS = (3, 21, 7, 16, 40)
+
+
+def prompt_of(length: int, salt: int = 0, vocab: int = 512) -> list[int]:
+    g = torch.Generator().manual_seed(1000 * salt + length)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
 
 def capture_cuda_graph(step):
     """Run `step` once on a side stream (compile and autotune outside the capture, as torch
@@ -85,8 +97,7 @@ def serving(app, what: str = "server"):
 
 def load_benchmark(name: str):
     """benchmarks/<folder>/NAME.py imported as a module under its own name (the benchmarks run as scripts)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    (path,) = glob.glob(os.path.join(root, "benchmarks", "*", f"{name}.py"))
+    (path,) = glob.glob(os.path.join(REPO, "benchmarks", "*", f"{name}.py"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod        # dataclasses look their module up while the class is built

@@ -261,7 +261,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/attention.py needs a CUDA GPU (the kernels' CPU checks are "
-                 "tests/test_attention_kernels.py under TRITON_INTERPRET=1)")
+                 "tests/kernels/test_attention_kernels.py under TRITON_INTERPRET=1)")
     import triton
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     if args.dry_run:
         return print_plan(plan, lambda c: f"{c['model']:<12} {c['proj']:<11} M={c['M']:<5} N={c['N']:>6} K={c['K']:>6} "
                                           f"{2 * c['M'] * c['N'] * c['K'] / 1e9:9.1f} GFLOP  fp8 {fp8_bytes(c) / 1e6:7.1f} MB")
-    seed, gen, l2 = cuda_run("fp8_gemm.py", "tests/test_fp8_kernels.py")
+    seed, gen, l2 = cuda_run("fp8_gemm.py", "tests/kernels/test_fp8_kernels.py")
     import triton
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

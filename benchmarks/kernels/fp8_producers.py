@@ -21,7 +21,7 @@ fewer bytes, so the figure that compares the two is the time (`speedup` = separa
 T = 1 the times are launch latency, not bandwidth. Timing: benchmarks/timing.py (CUDA-graph replays
 as a decode step runs them, per-call medians, inputs rotating through fresh random sets that
 together exceed 2x L2). Correctness first: the fused output against the separate one (the same
-arithmetic: codes within one e4m3 step, tests/test_fp8_producers.py), reported as the fraction of
+arithmetic: codes within one e4m3 step, tests/kernels/test_fp8_producers.py), reported as the fraction of
 codes equal.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     if args.dry_run:
         return print_plan(plan, lambda c: f"{c['case']:<5} T={c['T']:<5} bytes: separate {c['separate'] / 1e6:8.2f} MB, "
                                           f"fused {c['fused'] / 1e6:8.2f} MB")
-    seed, g, _ = cuda_run("fp8_producers.py", "tests/test_fp8_producers.py")
+    seed, g, _ = cuda_run("fp8_producers.py", "tests/kernels/test_fp8_producers.py")
     import triton
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/fused_kernels.py needs a CUDA GPU (the kernels' CPU checks are "
-                 "tests/test_fused_kernels.py under TRITON_INTERPRET=1)")
+                 "tests/kernels/test_fused_kernels.py under TRITON_INTERPRET=1)")
     import triton
 
     from ridge.layers.rotary import RotaryEmbedding

@@ -226,7 +226,7 @@ def main(argv=None) -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels/gemv.py needs a CUDA GPU (--dry-run prints the plan; the kernel's CPU "
-                 "checks are tests/test_gemv.py under TRITON_INTERPRET=1)")
+                 "checks are tests/kernels/test_gemv.py under TRITON_INTERPRET=1)")
     import triton
 
     t_start = time.perf_counter()

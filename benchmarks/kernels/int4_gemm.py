@@ -303,7 +303,7 @@ def main(argv=None) -> None:
         return print_plan(plan, lambda c: f"{c['model']:<10} {c['proj']:<8} M={c['M']:<4} N={c['N']:>6} K={c['K']:>6} "
                                           f"int4 {int4_bytes(c) / 1e6:7.1f} MB  bf16 {bf16_bytes(c) / 1e6:7.1f} MB  "
                                           f"int4 copies {sets_for(c['N'], c['K'], c['M'], 50 << 20)}")
-    seed, gen, l2 = cuda_run("int4_gemm.py", "tests/test_int4_kernels.py")
+    seed, gen, l2 = cuda_run("int4_gemm.py", "tests/kernels/test_int4_kernels.py")
     import triton
 
     copy_gbps = copy_bandwidth_gbps()

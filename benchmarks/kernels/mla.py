@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels/mla.py needs a CUDA GPU (the kernel's CPU check: tests/test_mla.py, TRITON_INTERPRET=1)")
+        sys.exit("benchmarks/kernels/mla.py needs a CUDA GPU (the kernel's CPU check: tests/models/test_mla.py, TRITON_INTERPRET=1)")
     from ridge.utils.ceilings import load_ceilings
     ceil = load_ceilings("cuda")
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         p.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels/moe.py needs a CUDA GPU (the kernels' CPU checks: tests/test_moe.py under TRITON_INTERPRET=1)")
+        sys.exit("benchmarks/kernels/moe.py needs a CUDA GPU (the kernels' CPU checks: tests/models/test_moe.py under TRITON_INTERPRET=1)")
     r = kernels(a) if a.part == "kernels" else e2e(a)
     if a.json:
         write_json(a.json, r)

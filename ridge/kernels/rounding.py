@@ -39,7 +39,7 @@ def e4m3_grid(x):
     exact, and multiplying it by a scale gives the dequantized value without converting e4m3
     back: the FP8 KV write needs that value too, and Triton 3.6 compiles an fp32 -> e4m3 -> fp32
     round trip inside one kernel wrongly on Hopper (two of every four elements come back as a
-    constant pair; tests/test_rope_kv_fp8.py's GPU check)."""
+    constant pair; tests/kernels/test_rope_kv_fp8.py's GPU check)."""
     bits = x.to(tl.uint32, bitcast=True)
     # keep 3 mantissa bits: add just under half a step, plus one if the kept lsb is odd
     normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
