@@ -98,7 +98,13 @@ def serving(app, what: str = "server"):
 def load_benchmark(name: str):
     """benchmarks/<folder>/NAME.py imported as a module under its own name (the benchmarks run as scripts)."""
     (path,) = glob.glob(os.path.join(REPO, "benchmarks", "*", f"{name}.py"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    return load_script(path, f"bench_{name}")
+
+
+def load_script(path: str, name: str | None = None):
+    """A script (a file path; scripts/ and benchmarks/ are run, not imported) as a module."""
+    name = name or os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod        # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)

@@ -4,23 +4,19 @@ and ratio and link to a journal entry and a raw file that exist."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.tests_support import REPO  # noqa: E402
+from tests.tests_support import REPO, load_script  # noqa: E402
 
 ROOT = Path(REPO)
 
 
 @pytest.fixture(scope="module")
 def generator():
-    spec = importlib.util.spec_from_file_location("gen_benchmarks_doc", ROOT / "scripts" / "gen_benchmarks_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(str(ROOT / "scripts" / "gen_benchmarks_doc.py"))
 
 
 def test_benchmarks_page_is_current_and_short(generator):

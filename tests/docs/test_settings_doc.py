@@ -2,7 +2,6 @@
 added, renamed or re-documented without regenerating the page fails here."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,17 +9,14 @@ import pytest
 from ridge import settings
 from ridge.config import EngineConfig
 
-from tests.tests_support import REPO  # noqa: E402
+from tests.tests_support import REPO, load_script  # noqa: E402
 
 ROOT = Path(REPO)
 
 
 @pytest.fixture(scope="module")
 def generator():
-    spec = importlib.util.spec_from_file_location("gen_settings_doc", ROOT / "scripts" / "gen_settings_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(str(ROOT / "scripts" / "gen_settings_doc.py"))
 
 
 def test_settings_page_is_current(generator):

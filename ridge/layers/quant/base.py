@@ -139,6 +139,18 @@ class ExpertsMethod:
         raise NotImplementedError
 
 
+class ExpertsQuantizedAtLoad(ExpertsMethod):
+    """Float experts loaded as usual, quantized once every tensor is in; the float copies go. A method
+    names its format's quantizer: `quantize(w [E, N, K]) -> the kernels' experts`."""
+    quantize = None
+
+    def finish_loading(self, layer: nn.Module) -> tuple[object, object]:
+        quantized = tuple(self.quantize(w.data) for w in (layer.w13_weight, layer.w2_weight))
+        for w in (layer.w13_weight, layer.w2_weight):
+            w.data = w.data.new_empty(0)
+        return quantized
+
+
 class QuantConfig:
     """One quantization method for a model: the per-layer methods, and what the loader asks of it."""
     name: str = ""

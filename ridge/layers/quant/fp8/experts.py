@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ridge.kernels.moe_quant import FP8_BLOCK, Fp8Experts
-from ridge.layers.quant.base import ExpertsMethod
+from ridge.layers.quant.base import ExpertsMethod, ExpertsQuantizedAtLoad
 from ridge.layers.quant.fp8.formats import Fp8BlockWeight, quantize_fp8_block
 
 FP8_EXPERT_BYTES = 1 + 4 / FP8_BLOCK ** 2       # a weight in e4m3 plus its block's fp32 scale
@@ -30,14 +30,9 @@ def whole_blocks(layer) -> bool:
     return layer.expert_size % FP8_BLOCK == 0 and layer.first % FP8_BLOCK == 0
 
 
-class Fp8AtLoadExperts(ExpertsMethod):
-    """Float experts loaded as usual, quantized once every tensor is in; the float copies go."""
-
-    def finish_loading(self, layer) -> tuple[Fp8Experts, Fp8Experts]:
-        quantized = tuple(quantize_experts(w.data) for w in (layer.w13_weight, layer.w2_weight))
-        for w in (layer.w13_weight, layer.w2_weight):
-            w.data = w.data.new_empty(0)
-        return quantized
+class Fp8AtLoadExperts(ExpertsQuantizedAtLoad):
+    """Float experts quantized to e4m3 128 x 128 blocks once loaded."""
+    quantize = staticmethod(quantize_experts)
 
     def weight_bytes(self, model_dtype: torch.dtype) -> float:
         return FP8_EXPERT_BYTES

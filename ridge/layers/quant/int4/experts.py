@@ -8,7 +8,7 @@ import torch
 
 from ridge.kernels.int4_matmul import PACK
 from ridge.kernels.moe_quant import INT4_GROUP, Int4Experts
-from ridge.layers.quant.base import ExpertsMethod
+from ridge.layers.quant.base import ExpertsQuantizedAtLoad
 from ridge.layers.quant.int4.formats import pack_last, quantize_rtn
 
 
@@ -29,14 +29,9 @@ def quantize_experts_int4(w: torch.Tensor) -> Int4Experts:
     return Int4Experts(torch.stack(q), torch.stack(scale), torch.stack(zero), K)
 
 
-class Int4AtLoadExperts(ExpertsMethod):
-    """Float experts loaded as usual, quantized once every tensor is in; the float copies go."""
-
-    def finish_loading(self, layer) -> tuple[Int4Experts, Int4Experts]:
-        quantized = tuple(quantize_experts_int4(w.data) for w in (layer.w13_weight, layer.w2_weight))
-        for w in (layer.w13_weight, layer.w2_weight):
-            w.data = w.data.new_empty(0)
-        return quantized
+class Int4AtLoadExperts(ExpertsQuantizedAtLoad):
+    """Float experts quantized to INT4 (round to nearest, group 128) once loaded."""
+    quantize = staticmethod(quantize_experts_int4)
 
     def weight_bytes(self, model_dtype: torch.dtype) -> float:
         """0.5 a weight plus its group's scale and zero point (the model's dtype) shared by 128."""
