@@ -19,6 +19,7 @@ asked, and the consumer runs the path its measured table chose.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -44,14 +45,15 @@ class LinearInput:
         return self.quantized[0].shape[0] if self.float is None else self.float.shape[:-1].numel()
 
 
-class StoredWeight:
+class StoredWeight(ABC):
     """A checkpoint tensor in a stored quantized format (a CheckpointReader's output): loaded into a
     float parameter dequantized, or whole into one whose experts method keeps the stored format (its
     values `q` [N, K] copied in place, the rest by the method's load_stored)."""
     q: torch.Tensor
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The float weight the stored values and scales stand for."""
 
 
 class CheckpointReader:
@@ -66,24 +68,24 @@ class CheckpointReader:
         pass
 
 
-class LinearMethod:
+class LinearMethod(ABC):
     """A Linear's weight storage and GEMM under one method (the Linear passes itself in)."""
     input_format: str | None = None      # the quantized activation its GEMM can take from a producer
 
+    @abstractmethod
     def create_weights(self, layer: nn.Module) -> None:
         """Register the layer's weight parameters (with their weight_loaders) and buffers."""
-        raise NotImplementedError
 
     def finish_loading(self, layer: nn.Module) -> None:
         """Once every checkpoint tensor is in (a permutation that needs them all, the path per batch)."""
 
+    @abstractmethod
     def initialize_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Dummy weights (load_format "dummy") in the method's own storage."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias)."""
-        raise NotImplementedError
 
     def apply_quantized(self, layer: nn.Module, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
         """A producer's quantized activation (input_format) -> [M, N] (+ bias)."""
@@ -97,9 +99,9 @@ class LinearMethod:
         """Whether the GEMM for `rows` rows reads a quantized activation (its cost: the quantization pass)."""
         return False
 
+    @abstractmethod
     def precision(self, act: Precision, rows: int) -> Precision:
         """The weight's bytes and the FLOPs' kind where this many rows run."""
-        raise NotImplementedError
 
     def weight_pass(self, layer: nn.Module, step: StepShape, rows: int) -> list[OpCost]:
         """A pass that writes the weight the GEMM reads, before it (none by default)."""
@@ -111,7 +113,7 @@ class LinearMethod:
         layer.weight.data.copy_(layer.weight.data[rows.to(layer.weight.device)])
 
 
-class ExpertsMethod:
+class ExpertsMethod(ABC):
     """The experts' storage (ridge/layers/moe.py FusedMoE: w13 [E, 2I, H], w2 [E, H, I]) under one method."""
     stores_checkpoint_format = False      # the parameters take a checkpoint's StoredWeights as they are
 
@@ -125,18 +127,18 @@ class ExpertsMethod:
     def load_stored(self, layer: nn.Module, part: str, expert: int, loaded: StoredWeight) -> None:
         """The scales of a stored weight whose values the layer has just copied into place."""
 
+    @abstractmethod
     def finish_loading(self, layer: nn.Module) -> tuple[object, object]:
         """The kernels' (w13, w2) in this format (ridge/kernels/moe_quant.py); may free the float weights."""
-        raise NotImplementedError
 
     def initialize_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Dummy weights in place, before finish_loading."""
         for w in (layer.w13_weight, layer.w2_weight):
             w.normal_(0.0, std, generator=generator)
 
+    @abstractmethod
     def weight_bytes(self, model_dtype: torch.dtype) -> float:
         """Bytes an expert weight, its share of scales included."""
-        raise NotImplementedError
 
 
 class ExpertsQuantizedAtLoad(ExpertsMethod):
