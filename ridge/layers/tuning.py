@@ -56,8 +56,7 @@ def time_paths(paths: dict[str, Path], timer: Callable = graph_time_us, best_us:
     device fault behind a caught error (which leaves the context unusable) is raised at once."""
     us, errors = {}, {}
     for name, path in paths.items():
-        bound = min(us.values(), default=best_us) if path.bound == BEST else us.get(path.bound, float("inf"))
-        bound = min(bound, best_us) if path.bound == BEST else bound
+        bound = min([*us.values(), best_us]) if path.bound == BEST else us.get(path.bound, float("inf"))
         try:
             us[name] = timer(path.run, bound_us=bound)
         except path.catch as e:
