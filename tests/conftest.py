@@ -74,6 +74,12 @@ def tiny_llm(checkpoints):
 
 
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "numprocesses", None):
+        # under pytest-xdist the modules that hold a `slow` test go first, each kept whole (its
+        # module fixtures are built once a worker): the long tests start while the short ones can
+        # still fill the other worker, instead of one long test running alone at the end
+        slow = {item.module for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.module not in slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

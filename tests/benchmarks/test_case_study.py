@@ -31,6 +31,7 @@ def round0(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_smoke_round_writes_every_figure_with_its_prediction(round0):
     for name in ("summary.json", "report.md", "report.json", "roofline.png", "latency_b1.json", "latency_b4.json",
                  "serve_sweep.json"):
@@ -120,6 +121,7 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
     assert {f["name"]: f["measured"] for f in s["figures"]} == {n: f["measured"] for n, f in before.items()}
 
 
+@pytest.mark.slow
 def test_serve_only_adds_the_sweep_to_a_measured_round(round0, tmp_path):
     """`--serve-only`: the serve sweep of a round measured earlier (its server's chunk sized from the
     round's own batch-1 run), the measured files untouched, the summary carrying both."""

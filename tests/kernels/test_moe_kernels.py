@@ -57,6 +57,7 @@ def test_align_by_expert_matches_reference(T, E, k, bm, kind):
     assert counts.tolist() == torch.bincount(experts.reshape(-1).long(), minlength=E).tolist()
 
 
+@pytest.mark.slow
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["uniform", "hot", "one"])
@@ -78,6 +79,7 @@ def test_expert_kernels_match_reference(T, E, k, kind, dtype):
         torch.testing.assert_close(grouped.float(), ref, **tol)
 
 
+@pytest.mark.slow
 @interpret
 @pytest.mark.parametrize("T,k", [(3, 2), (12, 2)])
 def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
@@ -106,6 +108,7 @@ def _int4_fp32(w):
     return torch.stack([dequantize_int4(q.T, s.T.float(), z.T.float(), 128).T for q, s, z in zip(w.q, w.scale, w.zero)])
 
 
+@pytest.mark.slow
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["uniform", "hot", "one"])

@@ -96,6 +96,7 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton kernels run on a CPU only under TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_verify_steps_replay_the_padded_static_path(pair):
     """With the Triton backend, verify steps run on the verify graphs' static buffers (the
     interpreter on a CPU), every sequence padded to k + 1 tokens: still plain decoding's tokens."""

@@ -72,6 +72,7 @@ def test_sampling_options_prefix_caching_and_n_match_the_float_twin(checkpoints)
     assert_same(run(int4, again, options[0]), run(plain, again, options[0]), "after a prefix-cache hit")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not INTERPRET, reason="the kernel path on CPU tensors runs under TRITON_INTERPRET=1")
 def test_kernel_path_generates_what_the_reference_path_does(tmp_path, monkeypatch):
     """bf16 activations: the Triton kernels (skinny at decode, the GEMM for the 45-token prefill)
