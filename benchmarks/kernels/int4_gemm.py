@@ -157,8 +157,6 @@ def run_case(c: dict, gen, l2: int, copy_gbps: float, args) -> dict:
         res["split_sweep"] = sweep_splits(xs, ridge_sets, calls, n_i4, args)
     if (args.gemv_configs or args.gemm_configs) and "ridge" in peers:
         res["config_sweep"] = sweep_configs(xs, ridge_sets, calls, n_i4, args)
-    if args.ws_configs and M <= 16 and "ridge" in peers:
-        res["ws_sweep"] = sweep_ws(xs, ridge_sets, calls, n_i4, args)
     r_us, b_us, t_us = res.get("ridge_us"), res.get("bf16_us"), res.get("tinygemm_us")
     res["x_bf16"] = b_us / r_us if r_us and b_us else None
     res["x_tinygemm"] = t_us / r_us if r_us and t_us else None
@@ -253,20 +251,6 @@ def sweep_configs(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
     return {"engine": engine, "us": us, "wrong": wrong}
 
 
-def sweep_ws(xs, ridge_sets, calls: int, n_i4: int, args) -> dict:
-    """The warp-specialized Gluon GEMV (ridge/kernels/int4_gemv_ws.py) at each --ws-configs
-    (BLOCK_N,BLOCK_K,warps,stages,split) it supports at this shape: {label: us}, {label: why not}."""
-    from ridge.kernels import int4_gemv_ws as ws
-    M, K = xs[0].shape
-    N = ridge_sets[0][0].shape[1]
-    cfgs = [ws.Int4GemvWsConfig(*parse_config(t, (5,))) for t in args.ws_configs]
-    configs = [(",".join(map(str, c)), c) for c in cfgs if ws.supported(M, N, K, GROUP, DT, c)]
-    outs = [torch.empty(M, N, device="cuda", dtype=DT) for _ in xs]
-    us, wrong = time_each(configs, lambda i, cfg: ws.int4_gemv_ws(xs[i], *ridge_sets[i % n_i4], GROUP, outs[i], cfg),
-                          xs, ridge_sets, calls, n_i4, args.reps)
-    return {"us": us, "wrong": wrong}
-
-
 def verdicts(rows: list[dict]) -> dict:
     """The issue's targets over the rows that have the numbers."""
     out = {}
@@ -296,16 +280,13 @@ def parse_args(argv=None):
                     help="also time the skinny kernel (M <= 32) at these launch configs")
     ap.add_argument("--gemm-configs", nargs="*", default=None, metavar="BM,BN,BK,W,S[,SPLIT]",
                     help="also time the GEMM (M > 32) at these tiles instead of the autotuner's")
-    ap.add_argument("--ws-configs", nargs="*", default=None, metavar="BN,BK,W,STAGES,SPLIT",
-                    help="also time the warp-specialized Gluon GEMV (M <= 16) at these configs")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
     args = ap.parse_args(argv)
     if any(m < 1 for m in args.rows) or any(v < 1 for v in args.splits or []):
         ap.error("--rows and --splits must be positive")
     if args.calls < 1 or args.reps < 1:
         ap.error("--calls and --reps must be positive")
-    for flag, texts, counts in (("--gemv-configs", args.gemv_configs, (4, 5)), ("--gemm-configs", args.gemm_configs, (5, 6)),
-                                ("--ws-configs", args.ws_configs, (5,))):
+    for flag, texts, counts in (("--gemv-configs", args.gemv_configs, (4, 5)), ("--gemm-configs", args.gemm_configs, (5, 6))):
         bad = [t for t in texts or [] if parse_config(t, counts) is None]
         if bad:
             ap.error(f"{flag}: {bad} are not {' or '.join(map(str, counts))} comma-separated positive integers")
@@ -362,14 +343,6 @@ def main(argv=None) -> None:
                   f"(engine {sw['engine']})  " + "  ".join(f"{k}{'*' if k == best else ''}: {v:.1f}"
                                                             for k, v in sw["us"].items())
                   + (f"  wrong/failed: {sw['wrong']}" if sw["wrong"] else ""))
-    sweeps = [r for r in result["rows"] if r.get("ws_sweep")]
-    if sweeps:
-        print("warp-specialized Gluon GEMV (us per BN,BK,W,STAGES,SPLIT; x ridge = ridge / ws; frac of copy bw)")
-        for r in sweeps:
-            sw = r["ws_sweep"]
-            print(f"  {r['model']:<10} {r['proj']:<8} M={r['M']:<3} ridge {fmt(r.get('ridge_us'), '.1f')}  " + "  ".join(
-                f"{k}: {v:.1f} (x{r['ridge_us'] / v:.2f}, {int4_bytes(r) / (v * 1e-6) / 1e9 / copy_gbps:.2f})"
-                for k, v in sw["us"].items() if r.get("ridge_us")) + (f"  wrong/failed: {sw['wrong']}" if sw["wrong"] else ""))
     v = result["verdicts"]
     print("targets: " + "; ".join(f"{k} {fmt(e.get('min'), '.2f')}"
                                   + (f" (>= {e['target']})" if "target" in e else "") + (" met" if e["met"] else " NOT met")
