@@ -17,14 +17,17 @@ from ridge.model_config import ModelConfig, parse_dtype
 from ridge.parallel import launched
 from ridge.settings import setting
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model) or
-    "draft_model" (`model`: a checkpoint with the target's vocabulary); `num_speculative_tokens`
-    (k, the most drafts a step); prompt_lookup_min/max (the n-gram lengths tried, longest first);
+    """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model), "suffix"
+    (suffix decoding over the sequence and earlier outputs, no model) or "draft_model" (`model`: a
+    checkpoint with the target's vocabulary); `num_speculative_tokens` (k, the most drafts a step);
+    prompt_lookup_min/max (the n-gram lengths tried, longest first); suffix_decoding_* (the longest
+    match considered, drafts per matched token, the least path frequency a draft continues at, the
+    finished outputs kept; ridge/engine/spec/suffix.py);
     `disable_by_batch_size`: no speculation in a step with more running sequences than this
     (default: where the verify pass stops being memory-bound, from the measured ceilings and the
     model's cost; ridge/engine/spec/speculator.py)."""
@@ -33,6 +36,10 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
     disable_by_batch_size: int | None = None
 
     @classmethod
@@ -56,6 +63,7 @@ class SpeculativeConfig:
             v = value.get(key, 1)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
+        _check_suffix_keys(value)
         spec = cls(**value)
         if spec.prompt_lookup_max < spec.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max ({spec.prompt_lookup_max}) must be >= prompt_lookup_min "
@@ -64,6 +72,25 @@ class SpeculativeConfig:
             raise ValueError(f"model: method 'draft_model' needs the draft checkpoint's directory (a path), and only it "
                              f"takes one; got {spec.model!r} for {spec.method!r}")
         return spec
+
+
+def _check_suffix_keys(value: dict) -> None:
+    """The suffix_decoding_* keys: only with method "suffix", each in its range (ValueError naming it)."""
+    keys = [k for k in value if k.startswith("suffix_decoding_")]
+    if keys and value["method"] != "suffix":
+        raise ValueError(f"{', '.join(keys)}: only method 'suffix' takes suffix_decoding_* keys, got {value['method']!r}")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    for key, ok, what in (
+            ("suffix_decoding_max_tree_depth", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+             "an integer >= 1"),
+            ("suffix_decoding_max_spec_factor", lambda v: number(v) and v > 0, "a number > 0"),
+            ("suffix_decoding_min_token_prob", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+            ("suffix_decoding_max_cached_requests", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+             "an integer >= 0 (0: no cache of earlier outputs)")):
+        if key in value and not ok(value[key]):
+            raise ValueError(f"{key} must be {what}, got {value[key]!r}")
 
 
 class _BadJson(argparse.ArgumentTypeError, ValueError):
@@ -158,8 +185,10 @@ class EngineConfig:
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
         None, parse=_json_object,
-        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, '
-             '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": B}',
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, '
+             '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 24, '
+             '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1, '
+             '"suffix_decoding_max_cached_requests": 10000, "disable_by_batch_size": B}',
         default_text="off")
     tensor_parallel_size: int = setting(
         1, minimum=1, aliases=("-tp",),

@@ -16,11 +16,16 @@ from ridge.engine.spec.proposer import Proposal
 DEMO = demo_model_path()
 DRAFT = os.path.join(os.path.dirname(DEMO), "demo-code-3m")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def draft_model(path, k=3):
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def config_of(proposer: str, draft: str) -> dict:
+    return {"ngram": NGRAM, "suffix": SUFFIX}.get(proposer) or draft_model(draft)
 
 
 def repetitive(salt: int, n: int = 40) -> list[int]:
@@ -59,28 +64,28 @@ def demo_plain():
     return llm(DEMO)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 @pytest.mark.parametrize("target", ["demo", "random"])
 def test_greedy_is_plain_decoding_alone_and_batched(proposer, target, pair, demo_plain):
     model, draft = (DEMO, DRAFT) if target == "demo" else pair
     plain = demo_plain if target == "demo" else llm(model)
-    spec = llm(model, speculative_config=NGRAM if proposer == "ngram" else draft_model(draft))
+    spec = llm(model, speculative_config=config_of(proposer, draft))
     want = tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
     batched = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert tokens(batched) == want
     assert [spec.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS] == want
     assert sum(o.metrics.num_drafts for o in batched) > 0
-    if target == "demo" or proposer == "ngram":      # the demo pair agrees often; prompts repeat
+    if target == "demo" or proposer != "draft":      # the demo pair agrees often; prompts repeat
         assert sum(o.metrics.num_accepted_tokens for o in batched) > 0
     assert spec.engine.pages.num_free_pages == spec.engine.cfg.num_pages
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(proposer, demo_plain):
     shared = repetitive(9, 48)
     prompts = [shared + prompt_of(5, i) for i in range(6)]
     want = tokens(demo_plain.generate(prompts, GREEDY, use_tqdm=False))
-    spec = llm(DEMO, speculative_config=NGRAM if proposer == "ngram" else draft_model(DRAFT),
+    spec = llm(DEMO, speculative_config=config_of(proposer, DRAFT),
                enable_prefix_caching=True, max_num_batched_tokens=32, page_size=8,
                kv_cache_memory=24 * 2 * 6 * 8 * 2 * 64 * 4)   # 24 target pages (fewer with a draft): preempts
     outs = spec.generate(prompts, GREEDY, use_tqdm=False)
@@ -92,6 +97,9 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
     if proposer == "draft":
         draft = spec.engine.speculator.proposer
         assert not draft.states and draft.pages.num_free_pages == draft.pages.num_pages
+    if proposer == "suffix":                        # finished outputs are cached, no sequence is held
+        suffix = spec.engine.speculator.proposer
+        assert not suffix.corpora and not suffix.seqs and len(suffix.cached) == len(prompts)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -126,9 +134,10 @@ def _chi2_quantile(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def _second_tokens(engine_llm, n: int) -> list[int]:
+def _second_tokens(engine_llm, n: int, prompt=None) -> list[int]:
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True) for s in range(n)]
-    return [o.outputs[0].token_ids[2] for o in engine_llm.generate([prompt_of(6, 1)] * n, params, use_tqdm=False)]
+    prompt = prompt_of(6, 1) if prompt is None else prompt
+    return [o.outputs[0].token_ids[2] for o in engine_llm.generate([prompt] * n, params, use_tqdm=False)]
 
 
 def test_sampled_distribution_is_the_targets_and_a_wrong_rule_is_caught(pair, monkeypatch):
@@ -149,6 +158,27 @@ def test_sampled_distribution_is_the_targets_and_a_wrong_rule_is_caught(pair, mo
 
     monkeypatch.setattr(sp, "verify", accept_everything)
     wrong = _second_tokens(llm(target, speculative_config=draft_model(draft, k=2)), n)
+    stat, df = _two_sample_chi2(plain, wrong)
+    assert stat > _chi2_quantile(df), (stat, df)
+
+
+def test_suffix_drafts_keep_the_sampled_distribution(pair, monkeypatch):
+    """Suffix decoding's point-mass drafts: a prompt of 240 distinct tokens (of the vocabulary's
+    509), so a sampled token is often in it and what followed it there is drafted (a seeded request
+    drafts from its own tokens only). The third token's distribution with and without drafts agrees
+    by the same chi-square test, which accepting every draft fails."""
+    target, _ = pair
+    n, prompt = 600, (torch.randperm(509, generator=torch.Generator().manual_seed(4))[:240] + 3).tolist()
+    plain = _second_tokens(llm(target), n, prompt)
+    spec_llm = llm(target, speculative_config={**SUFFIX, "num_speculative_tokens": 2})
+    spec = _second_tokens(spec_llm, n, prompt)
+    assert spec_llm.engine.stats().spec_num_draft_tokens > 0
+    stat, df = _two_sample_chi2(plain, spec)
+    assert stat < _chi2_quantile(df), (stat, df)
+
+    import ridge.engine.spec.speculator as sp
+    monkeypatch.setattr(sp, "verify", lambda drafts, q, p, seeds, steps, greedy, num_draft: _accept_all(drafts, p, num_draft))
+    wrong = _second_tokens(llm(target, speculative_config={**SUFFIX, "num_speculative_tokens": 2}), n, prompt)
     stat, df = _two_sample_chi2(plain, wrong)
     assert stat > _chi2_quantile(df), (stat, df)
 
@@ -299,13 +329,13 @@ def test_metrics_names():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_gpu_greedy_follows_plain_decoding(proposer):
     """On the GPU (bf16, Triton kernels, decode graphs): a verify step's logits come from other
     kernels than a decode step's, so a near-tie may flip late in a run, never early."""
     kw = dict(dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=1024)
     want = tokens(LLM(DEMO, show_progress=False, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
-    spec = LLM(DEMO, show_progress=False, speculative_config=NGRAM if proposer == "ngram" else draft_model(DRAFT), **kw)
+    spec = LLM(DEMO, show_progress=False, speculative_config=config_of(proposer, DRAFT), **kw)
     spec.engine.speculator.clock.pays = lambda batch: True     # the demo pair is launch-bound: keep drafting
     outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     for a, b in zip(tokens(outs), want):

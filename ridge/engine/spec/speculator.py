@@ -48,6 +48,7 @@ from ridge.engine.spec.metrics import SpecCounters, record
 from ridge.engine.spec.ngram import NgramProposer
 from ridge.engine.spec.proposer import Proposal, Proposer
 from ridge.engine.spec.rejection import target_probs, verify
+from ridge.engine.spec.suffix import SuffixProposer
 from ridge.layers.cost import StepShape
 from ridge.layers.sampler import info_on_host, logprob_info
 from ridge.runner.model_runner import plain_greedy
@@ -285,6 +286,10 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
     if spec.method == "ngram":
         proposer, draft_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                              spec.num_speculative_tokens), 0.0
+    elif spec.method == "suffix":
+        proposer, draft_cost = SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
+                                              spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                                              spec.suffix_decoding_max_cached_requests), 0.0
     else:
         from ridge.engine.spec.draft_model import DraftModelProposer, draft_config
         from ridge.runner.model_runner import ModelRunner
