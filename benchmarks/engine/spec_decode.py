@@ -1,8 +1,13 @@
-"""Speculative decoding benchmarks (issue 17), three parts; JSON to --json, a table last.
+"""Speculative decoding benchmarks (issue 17), four parts; JSON to --json, a table last.
 
   demo    the demo pair (demo-code-12m, drafts from demo-code-3m; and n-gram lookup) on held-out stdlib
           prompts: acceptance rate and mean accepted length per k, tokens/s with and without
           speculation, batch 1 (requests one after another).
+  agent   an agent-style workload for suffix decoding: turns of edits of the same held-out files
+          (turn t: the file's first --prompt-len tokens with t one-token edits in its second half),
+          requests one after another; plain decoding, suffix decoding and n-gram lookup, each on a
+          fresh engine warmed up on another file: tokens/s, acceptance, mean accepted length, and
+          whether the greedy tokens equal plain decoding's.
   verify  the target alone (e.g. the 8B shape, --load-format dummy): the time of a verify step
           (k + 1 tokens a sequence through the paged attention kernels, eager) against a plain decode
           step (the CUDA-graph replay), k = 1..8, at several batch sizes.
@@ -12,6 +17,7 @@
           and batch, beside seed 002's model (1 - alpha^(k+1)) / (1 - alpha). Adaptation stays on.
 
     python benchmarks/engine/spec_decode.py demo --json spec_demo.json
+    python benchmarks/engine/spec_decode.py agent --prompts 8 --turns 4 --json spec_agent.json
     python benchmarks/engine/spec_decode.py verify --model /tmp/8b-config --load-format dummy --json spec_verify.json
     python benchmarks/engine/spec_decode.py oracle --model /tmp/8b-config --load-format dummy --json spec_oracle.json
 
@@ -98,6 +104,49 @@ def run_demo(a) -> dict:
                                  plain_tokens_per_s=len(prompts) * a.output_len / plain_s, speedup=plain_s / secs))
                 del llm
     return dict(part="demo", prompts=len(prompts), prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
+
+
+def agent_prompts(model: str, files: int, turns: int, length: int) -> list[list[int]]:
+    """Per file, `turns` prompts: turn t carries t one-token edits (a token copied from elsewhere in
+    the file) in the second half of the file's first `length` tokens."""
+    rng, out = random.Random(0), []
+    for ids in heldout_prompts(model, files, length):
+        edited = list(ids)
+        for _ in range(turns):
+            out.append(list(edited))
+            edited[rng.randrange(len(edited) // 2, len(edited))] = edited[rng.randrange(len(edited))]
+    return out
+
+
+def run_agent(a) -> dict:
+    target = demo_model_path()
+    prompts = agent_prompts(target, a.prompts, a.turns, a.prompt_len)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+    configs = {"plain": None, "suffix": {"method": "suffix", "num_speculative_tokens": a.suffix_k},
+               "ngram": {"method": "ngram", "num_speculative_tokens": 4}}
+    rows, plain_s, want = [], None, None
+    warm = heldout_prompts(target, a.prompts + 1, a.prompt_len)[-1]
+    for name, cfg in configs.items():
+        llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
+        timed_generate(llm, [warm], params)       # warm-up on another file (its output is all the cache holds)
+        s0 = llm.engine.stats()
+        secs, outs = 0.0, []
+        for p in prompts:
+            dt, o = timed_generate(llm, [p], params)
+            secs, outs = secs + dt, outs + o
+        s1 = llm.engine.stats()
+        got = [o.outputs[0].token_ids for o in outs]
+        want = got if want is None else want
+        drafts = s1.spec_num_drafts - s0.spec_num_drafts
+        proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
+        accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+        plain_s = secs if plain_s is None else plain_s
+        rows.append(dict(method=name, tokens_per_s=len(prompts) * a.output_len / secs, speedup=plain_s / secs,
+                         acceptance_rate=accepted / proposed if proposed else None,
+                         mean_accepted_length=1 + accepted / drafts if drafts else None, drafts=drafts,
+                         same_tokens_as_plain=got == want))
+        del llm
+    return dict(part="agent", files=a.prompts, turns=a.turns, prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
 
 
 def running_sequences(llm, batch: int, prompt_len: int) -> list:
@@ -273,7 +322,7 @@ def run_oracle(a) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("demo", "verify", "oracle"))
+    p.add_argument("part", choices=("demo", "agent", "verify", "oracle"))
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--quantization", default=None, choices=("int4", "fp8"), help="verify / oracle: the weights' precision")
@@ -285,13 +334,15 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--turns", type=int, default=4, help="agent: turns a file")
+    p.add_argument("--suffix-k", type=int, default=16, help="agent: suffix decoding's num_speculative_tokens")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    result = {"demo": run_demo, "verify": run_verify, "oracle": run_oracle}[a.part](a)
+    result = {"demo": run_demo, "agent": run_agent, "verify": run_verify, "oracle": run_oracle}[a.part](a)
     result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:])
     if a.json:

@@ -138,3 +138,20 @@ def test_suffix_keys_need_the_suffix_method():
                                     "suffix_decoding_max_spec_factor": 2, "suffix_decoding_max_cached_requests": 0})
     assert (spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
             spec.suffix_decoding_max_cached_requests) == (24, 2, 0)
+
+
+def test_agent_benchmark_builds_turns_of_edits_and_compares_the_methods():
+    """benchmarks/engine/spec_decode.py agent, tiny: each file's turns differ by one more edit, in
+    the second half; every method gives plain decoding's greedy tokens and suffix decoding drafts."""
+    from ridge.assets import demo_model_path
+    from tests.tests_support import load_benchmark
+    bench = load_benchmark("spec_decode")
+    turns = bench.agent_prompts(demo_model_path(), 1, 3, 64)
+    assert len(turns) == 3 and all(len(t) == 64 for t in turns) and turns[0][:32] == turns[2][:32]
+    edits = [sum(a != b for a, b in zip(turns[0], t)) for t in turns]      # an edit may copy an equal token
+    assert edits[0] == 0 and edits[1] <= 1 and 0 < edits[2] <= 2
+    out = bench.run_agent(bench.parse_args(["agent", "--prompts", "1", "--turns", "2", "--prompt-len", "64",
+                                            "--output-len", "12"]))
+    rows = {r["method"]: r for r in out["rows"]}
+    assert list(rows) == ["plain", "suffix", "ngram"] and all(r["same_tokens_as_plain"] for r in rows.values())
+    assert rows["suffix"]["drafts"] > 0 and rows["plain"]["speedup"] == 1
