@@ -55,11 +55,17 @@ class TokenCorpus:
     def extend(self, ids) -> None:
         t, start = self.tokens, len(self.tokens)
         t.extend(ids)
+        index = self.index
         for w in WINDOWS:
-            for end in range(max(start, w - 1), len(t)):
-                key = tuple(t[end - w + 1:end + 1])
+            first = max(start, w - 1)                       # the last token of the first new window
+            columns = [t[first - w + 1 + i:len(t) - w + 1 + i] for i in range(w)]
+            for after, key in enumerate(zip(*columns), first + 1):
                 if SEPARATOR not in key:
-                    self.index.setdefault(key, array("i")).append(end + 1)
+                    found = index.get(key)
+                    if found is None:
+                        index[key] = array("i", (after,))
+                    else:
+                        found.append(after)
 
     def match(self, query, max_depth: int) -> tuple[int, list[int]]:
         """(L, positions): the longest L <= max_depth for which query's last L tokens occur here
