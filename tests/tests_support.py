@@ -109,3 +109,21 @@ def load_script(path: str, name: str | None = None):
     sys.modules[spec.name] = mod        # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def leaked_step_rings() -> list[str]:
+    """Step-ring segments in /dev/shm whose creating process is gone (ridge/runner/step_ring.py names
+    them ridge_ring_<pid>_<random>): what a finished engine or job must not leave. A ring of another
+    test running at the same time belongs to a live process and is not counted."""
+    from ridge.runner.step_ring import SEGMENT_PREFIX
+    leaked = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(SEGMENT_PREFIX):
+            pid = int(name[len(SEGMENT_PREFIX):].split("_")[0])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                leaked.append(name)
+            except PermissionError:             # alive, another user's
+                pass
+    return leaked

@@ -27,7 +27,9 @@ that Python cannot issue, so the ring refuses to run there.
 """
 from __future__ import annotations
 
+import os
 import platform
+import secrets
 import struct
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -38,6 +40,9 @@ LINE = 64
 _SPIN, _YIELD = 2000, 200             # polls before yielding, yields before napping
 _NAP_S, _SHORT_NAPS, _IDLE_NAP_S = 50e-6, 2000, 1e-3
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "uint8")]
+
+
+SEGMENT_PREFIX = "ridge_ring_"
 
 
 def _pad(n: int) -> int:
@@ -69,7 +74,9 @@ class StepRing:
         if slots < 1 or slot_bytes < 1 or consumers < 1:
             raise ValueError(f"StepRing: slots, slot_bytes and consumers must be >= 1, got {slots}, {slot_bytes}, "
                              f"{consumers}")
-        # a new segment reads as zeros: nothing published, nothing taken
+        # a new segment reads as zeros: nothing published, nothing taken. Its default name carries the
+        # creator's pid (ridge_ring_<pid>_<random>): a segment a killed process left behind says whose it was
+        name = name or f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=cls.size(slots, slot_bytes, consumers))
         return cls(shm, slots, slot_bytes, consumers, owner=True)
 

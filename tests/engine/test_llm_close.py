@@ -100,9 +100,6 @@ def test_a_with_block_closes_the_llm_when_its_body_raises(llama):
         llm.generate([[5, 9, 13]], GREEDY, use_tqdm=False)
 
 
-# its workers' step ring is a /dev/shm segment: it runs on the worker of the tests that list /dev/shm
-# before and after (tests/server/test_server_tp.py), so it never appears in between
-@pytest.mark.xdist_group("shared_memory")
 def test_a_closed_tensor_parallel_llm_frees_rank_zero_and_stops_its_workers(llama):
     """The worker pool calls back into rank 0's runner before it leaves the group (its graphs go
     first): after close no callback keeps the runner, and so the model and pool, alive."""

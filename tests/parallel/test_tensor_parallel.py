@@ -18,9 +18,6 @@ from ridge.parallel import RankFailure, TensorParallel
 from tests.tests_support import PROMPT_LENGTHS, prompt_of
 from tests.models.test_hf_parity import assert_first_step_logits_match, hf_greedy
 
-# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
-# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
-pytestmark = pytest.mark.xdist_group("shared_memory")
 
 TP2 = dict(device="cpu", show_progress=False, max_model_len=256, tensor_parallel_size=2)
 

@@ -9,9 +9,6 @@ from ridge.utils.random_checkpoint import make_random_checkpoint
 from tests.tests_support import prompt_of
 from tests.layers.quant.test_int4_formats import VARIANTS, quantize_checkpoint
 
-# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
-# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
-pytestmark = pytest.mark.xdist_group("shared_memory")
 
 KW = dict(device="cpu", show_progress=False, max_model_len=128)
 PROMPTS = [prompt_of(n, salt=i) for i, n in enumerate((4, 19, 33))]

@@ -11,11 +11,8 @@ import sys
 import pytest
 
 from ridge import LLM, SamplingParams
-from tests.tests_support import free_port
+from tests.tests_support import free_port, leaked_step_rings
 
-# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
-# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
-pytestmark = pytest.mark.xdist_group("shared_memory")
 
 SCRIPT = """
 import json, sys
@@ -47,11 +44,10 @@ def want(checkpoints):
 def test_one_host_takes_the_ring(checkpoints, tmp_path, want):
     script, out = tmp_path / "run.py", tmp_path / "out.json"
     script.write_text(SCRIPT)
-    segments = set(os.listdir("/dev/shm"))
     subprocess.run(torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), str(script),
                             checkpoints("llama"), str(out), json.dumps(PROMPTS)), env=ENV, check=True, timeout=300)
     assert json.loads(out.read_text()) == dict(tokens=want, channel="StepRing")
-    assert set(os.listdir("/dev/shm")) <= segments            # the ring's segment is gone with the job
+    assert not leaked_step_rings()                           # the ring's segment is gone with the job
 
 
 def test_two_nodes_take_the_broadcast_channel(checkpoints, tmp_path, want):

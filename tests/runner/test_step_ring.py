@@ -1,6 +1,7 @@
 """The shared-memory step ring (ridge/runner/step_ring.py): order, wrap-around, a full ring, a
 slow consumer in another process, the fixed binary layout, and no segment left behind."""
 import multiprocessing as mp
+import os
 import time
 import zlib
 
@@ -9,9 +10,6 @@ import pytest
 
 from ridge.runner.step_ring import StepRing, decode_arrays, encode_arrays
 
-# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
-# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
-pytestmark = pytest.mark.xdist_group("shared_memory")
 
 
 def message(i: int) -> bytes:
@@ -105,3 +103,22 @@ def test_binary_layout_round_trips_and_refuses_what_it_cannot_carry():
         encode_arrays(0, [np.zeros(2, np.float64)])
     with pytest.raises(ValueError, match="header describes"):
         decode_arrays(encode_arrays(0, arrays) + b"x")
+
+
+def test_a_rings_name_says_whose_it_is_and_a_dead_creators_segment_counts_as_leaked():
+    import subprocess
+    import sys
+    from multiprocessing import shared_memory
+
+    from tests.tests_support import leaked_step_rings
+    ring = StepRing.create(2, 64, 1)
+    assert ring.name.lstrip("/").startswith(f"ridge_ring_{os.getpid()}_")
+    assert ring.name.lstrip("/") not in leaked_step_rings()                     # its creator is alive
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = shared_memory.SharedMemory(name=f"ridge_ring_{int(gone.stdout)}_test", create=True, size=64)
+    try:
+        assert orphan.name.lstrip("/") in leaked_step_rings()
+    finally:
+        orphan.close()
+        orphan.unlink()
+    ring.close()

@@ -17,10 +17,7 @@ import openai
 import pytest
 
 from ridge import LLM, SamplingParams
-
-# Some tests list /dev/shm before and after (no step-ring segment left behind): under pytest-xdist
-# (--dist loadgroup) every test that makes such segments runs on one worker, so none appears in between.
-pytestmark = pytest.mark.xdist_group("shared_memory")
+from tests.tests_support import leaked_step_rings
 
 KEY, MODEL = "tp-key", "tiny"
 
@@ -44,16 +41,11 @@ def cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode()
 
 
-def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
-
-
 def test_serve_tensor_parallel_answers_openai_then_503_after_a_worker_dies(checkpoints, tmp_path):
     model = checkpoints("llama")
     prompt = "def fib(n):"
     want = LLM(model, device="cpu", show_progress=False, max_model_len=256).generate(
         prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
-    segments = shm_segments()
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -110,5 +102,5 @@ def test_serve_tensor_parallel_answers_openai_then_503_after_a_worker_dies(check
             proc.kill()
             proc.wait(10)
     assert not children(proc.pid)
-    assert shm_segments() <= segments
+    assert not leaked_step_rings()           # the server's ring went with it (a killed worker's too)
     assert "was killed by signal SIGKILL" in log_path.read_text()
