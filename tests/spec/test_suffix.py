@@ -18,8 +18,8 @@ def seq(ids, seq_id=0, prompt=None, status=SeqStatus.RUNNING, seed=None, tempera
                            num_prompt_tokens=len(ids) if prompt is None else prompt)
 
 
-def proposer(k=8, **kw):
-    return SuffixProposer(k, **kw)
+def proposer(**kw):
+    return SuffixProposer(**kw)
 
 
 def test_continues_the_longest_match():

@@ -287,8 +287,8 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
         proposer, draft_cost = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                              spec.num_speculative_tokens), 0.0
     elif spec.method == "suffix":
-        proposer, draft_cost = SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
-                                              spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+        proposer, draft_cost = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
+                                              spec.suffix_decoding_min_token_prob,
                                               spec.suffix_decoding_max_cached_requests), 0.0
     else:
         from ridge.engine.spec.draft_model import DraftModelProposer, draft_config

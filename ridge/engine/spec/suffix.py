@@ -43,7 +43,7 @@ MAX_CACHED_TOKENS = 1 << 20  # the cached outputs' corpus is cut to its newer ha
 
 
 class TokenCorpus:
-    """Token ids, and for each 2- and 4-token window the positions that follow it, oldest first."""
+    """Token ids, and for each 1-, 2- and 4-token window the positions that follow it, oldest first."""
 
     def __init__(self):
         self.tokens = array("i")
@@ -113,16 +113,17 @@ class TokenCorpus:
 
 class SuffixProposer:
     """The configured proposer: vLLM's suffix_decoding_max_tree_depth / _max_spec_factor /
-    _min_token_prob / _max_cached_requests (0: no cache of earlier outputs)."""
+    _min_token_prob / _max_cached_requests (0: no cache of earlier outputs). The most drafts a step
+    (num_speculative_tokens) is the speculator's limit for each sequence."""
 
-    def __init__(self, num_speculative_tokens: int, max_depth: int = 24, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1, max_cached_requests: int = 10000):
-        self.k, self.max_depth, self.factor, self.min_prob = num_speculative_tokens, max_depth, max_spec_factor, min_token_prob
+    def __init__(self, max_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                 max_cached_requests: int = 10000):
+        self.max_depth, self.factor, self.min_prob = max_depth, max_spec_factor, min_token_prob
         self.max_cached = max_cached_requests
         self.corpora: dict[int, TokenCorpus] = {}          # seq_id -> its own tokens
         self.seqs: dict[int, object] = {}                  # seq_id -> the sequence (to see it finish)
-        self.cache = TokenCorpus()                         # finished requests' outputs
-        self.cached: deque[list[int]] = deque()
+        self.cache = TokenCorpus()                         # finished requests' outputs, each then SEPARATOR
+        self.cached: deque[list[int]] = deque()            # those outputs, oldest first
 
     def _own(self, seq) -> TokenCorpus:
         corpus = self.corpora.get(seq.seq_id)
@@ -168,9 +169,9 @@ class SuffixProposer:
         self.cached.append(output)
         self.cache.extend(output + [SEPARATOR])
         if len(self.cached) > self.max_cached or len(self.cache) > MAX_CACHED_TOKENS:
-            while len(self.cached) > max(1, self.max_cached // 2) or \
-                    sum(map(len, self.cached)) + len(self.cached) > MAX_CACHED_TOKENS // 2:
-                self.cached.popleft()                       # the older half goes; the rest is re-indexed
+            size = len(self.cache)                          # the corpus: each output and its separator
+            while len(self.cached) > max(1, self.max_cached // 2) or size > MAX_CACHED_TOKENS // 2:
+                size -= len(self.cached.popleft()) + 1      # the older half goes; the rest is re-indexed
             self.cache = TokenCorpus()
             for out in self.cached:
                 self.cache.extend(out + [SEPARATOR])
