@@ -99,11 +99,17 @@ class TokenCorpus:
         play (the most recent on a tie), while the product of those frequencies is >= min_prob."""
         t, out, prob = self.tokens, [], 1.0
         while len(out) < most:
+            if len(positions) == 1:                             # one path left: its tokens, frequency 1
+                run = t[positions[0]:positions[0] + most - len(out)].tolist()
+                out += run[:run.index(SEPARATOR)] if SEPARATOR in run else run
+                break
             nexts = [t[p] for p in positions if p < len(t) and t[p] != SEPARATOR]
             if not nexts:
                 break
-            token, count = Counter(nexts).most_common(1)[0]     # ties: the first seen, the most recent
-            prob *= count / len(nexts)
+            token = nexts[0]
+            if nexts.count(token) != len(nexts):                # the paths part: the most frequent
+                token, count = Counter(nexts).most_common(1)[0]  # ties: the first seen, the most recent
+                prob *= count / len(nexts)
             if prob < min_prob:
                 break
             out.append(token)
