@@ -118,6 +118,59 @@ def agent_prompts(model: str, files: int, turns: int, length: int) -> list[list[
     return out
 
 
+class StepAccount:
+    """Where an engine's decode time goes: each engine step's wall time by kind (a verify step, a
+    plain step that computed, a step that only committed ids an overlapped step left on the
+    device) and the proposer's time a call, through wrappers on this engine's own objects."""
+
+    def __init__(self, engine):
+        self.steps, self.propose = {"verify": [], "plain": [], "commit-only": []}, []
+        self.calls = {"verify": 0, "execute": 0}
+        self._wrap(engine.runner, "execute", "execute")
+        spec = engine.speculator
+        if spec is not None:
+            self._wrap(spec, "verify", "verify")
+            propose = spec.proposer.propose
+
+            def timed_propose(*args, **kw):
+                t0 = time.perf_counter()
+                out = propose(*args, **kw)
+                self.propose.append(time.perf_counter() - t0)
+                return out
+            spec.proposer.propose = timed_propose
+        step = engine.step
+
+        def timed_step(*args, **kw):
+            before = dict(self.calls)
+            t0 = time.perf_counter()
+            out = step(*args, **kw)
+            seconds = time.perf_counter() - t0
+            kind = "verify" if self.calls["verify"] > before["verify"] else \
+                "plain" if self.calls["execute"] > before["execute"] else "commit-only"
+            self.steps[kind].append(seconds)
+            return out
+        engine.step = timed_step
+
+    def _wrap(self, obj, name, key):
+        fn = getattr(obj, name)
+
+        def counted(*args, **kw):
+            self.calls[key] += 1
+            return fn(*args, **kw)
+        setattr(obj, name, counted)
+
+    def reset(self):
+        for v in (*self.steps.values(), self.propose):
+            v.clear()
+
+    def summary(self) -> dict:
+        med = lambda v: round(1e6 * statistics.median(v), 1) if v else None     # noqa: E731
+        return {**{f"{k}_steps": len(v) for k, v in self.steps.items()},
+                **{f"{k}_step_us": med(v) for k, v in self.steps.items()},
+                **{f"{k}_total_ms": round(1e3 * sum(v), 1) for k, v in self.steps.items()},
+                "propose_calls": len(self.propose), "propose_us": med(self.propose)}
+
+
 def run_agent(a) -> dict:
     target = demo_model_path()
     prompts = agent_prompts(target, a.prompts, a.turns, a.prompt_len)
@@ -128,7 +181,9 @@ def run_agent(a) -> dict:
     warm = heldout_prompts(target, a.prompts + 1, a.prompt_len)[-1]
     for name, cfg in configs.items():
         llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
+        account = StepAccount(llm.engine)
         timed_generate(llm, [warm], params)       # warm-up on another file (its output is all the cache holds)
+        account.reset()
         s0 = llm.engine.stats()
         secs, outs = 0.0, []
         for p in prompts:
@@ -144,7 +199,7 @@ def run_agent(a) -> dict:
         rows.append(dict(method=name, tokens_per_s=len(prompts) * a.output_len / secs, speedup=plain_s / secs,
                          acceptance_rate=accepted / proposed if proposed else None,
                          mean_accepted_length=1 + accepted / drafts if drafts else None, drafts=drafts,
-                         same_tokens_as_plain=got == want))
+                         same_tokens_as_plain=got == want, **account.summary()))
         del llm
     return dict(part="agent", files=a.prompts, turns=a.turns, prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
 
