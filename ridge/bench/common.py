@@ -132,24 +132,35 @@ class RunnerTimer:
 
 
 def speculation(stats0, stats1) -> dict:
-    """Speculative decoding between two `Engine.stats()` snapshots, with vLLM's names: verify steps
-    with drafts, draft and accepted tokens, acceptance rate, mean accepted length (tokens a verify
-    step emitted: accepted drafts + 1)."""
+    """Speculative decoding between two `Engine.stats()` snapshots, with vLLM's names: the proposer,
+    verify steps with drafts, draft and accepted tokens, acceptance rate, mean accepted length
+    (tokens a verify step emitted: accepted drafts + 1), the acceptance at each draft position (the
+    share of verify steps that accepted it) and the draft cost (the proposer's host time, in all and
+    a draft token)."""
     drafts = stats1.spec_num_drafts - stats0.spec_num_drafts
     proposed = stats1.spec_num_draft_tokens - stats0.spec_num_draft_tokens
     accepted = stats1.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
-    return dict(spec_num_drafts=drafts, spec_num_draft_tokens=proposed, spec_num_accepted_tokens=accepted,
-                spec_acceptance_rate=acceptance_rate(accepted, proposed),
-                spec_mean_accepted_length=mean_accepted_length(accepted, drafts))
+    before = stats0.spec_accepted_per_pos
+    per_pos = [n - (before[i] if i < len(before) else 0) for i, n in enumerate(stats1.spec_accepted_per_pos)]
+    propose = stats1.spec_propose_seconds - stats0.spec_propose_seconds
+    return dict(spec_method=stats1.spec_method or None, spec_num_drafts=drafts, spec_num_draft_tokens=proposed,
+                spec_num_accepted_tokens=accepted, spec_acceptance_rate=acceptance_rate(accepted, proposed),
+                spec_mean_accepted_length=mean_accepted_length(accepted, drafts),
+                spec_acceptance_per_pos=[n / drafts for n in per_pos] if drafts else [],
+                spec_propose_s=propose, spec_propose_us_per_draft_token=1e6 * propose / proposed if proposed else None)
 
 
 def speculation_rows(r: dict) -> list[list[str]]:
     """Table rows for a result's speculation counters (none when nothing was drafted)."""
     if not r.get("spec_num_drafts"):
         return []
-    return [["spec draft / accepted tokens", f"{r['spec_num_draft_tokens']} / {r['spec_num_accepted_tokens']}"],
+    return [["spec proposer", r["spec_method"]],
+            ["spec draft / accepted tokens", f"{r['spec_num_draft_tokens']} / {r['spec_num_accepted_tokens']}"],
             ["spec acceptance rate", f"{r['spec_acceptance_rate']:.1%}"],
-            ["spec mean accepted length", f"{r['spec_mean_accepted_length']:.2f}"]]
+            ["spec acceptance by position", " ".join(f"{a:.0%}" for a in r["spec_acceptance_per_pos"])],
+            ["spec mean accepted length", f"{r['spec_mean_accepted_length']:.2f}"],
+            ["spec draft cost", f"{r['spec_propose_s'] * 1e3:.1f} ms proposing, "
+                                f"{r['spec_propose_us_per_draft_token']:.1f} us a draft token"]]
 
 
 def overlap(stats0, stats1) -> dict:

@@ -41,7 +41,10 @@ class EngineStats:
     num_overlapped_steps: int      # of which launched before the previous step's ids were read back
     spec_num_drafts: int = 0       # speculative decoding: a sequence's verify steps with drafts,
     spec_num_draft_tokens: int = 0  # the draft tokens proposed,
-    spec_num_accepted_tokens: int = 0  # and of those accepted
+    spec_num_accepted_tokens: int = 0  # and of those accepted,
+    spec_accepted_per_pos: tuple = ()  # [i]: verify steps that accepted draft i (vLLM's per_pos)
+    spec_propose_seconds: float = 0.0  # host time in the proposer (its draft cost)
+    spec_method: str = ""              # the proposer
     spec_acceptance_rate = property(lambda self: acceptance_rate(self.spec_num_accepted_tokens,
                                                                  self.spec_num_draft_tokens))
     spec_mean_accepted_length = property(lambda self: mean_accepted_length(self.spec_num_accepted_tokens,

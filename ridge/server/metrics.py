@@ -59,12 +59,24 @@ class _EngineCollector:
                                   value=st.num_overlapped_steps)
         yield GaugeMetricFamily("ridge_decode_overlap_ratio", "overlapped / decode steps since start (0 before any)",
                                 value=st.overlap_fraction or 0.0)
-        # speculative decoding, vLLM's names (vllm:spec_decode_*), zero without a speculative_config
+        # speculative decoding, vLLM's names (vllm:spec_decode_*) under the proposer's method; none
+        # without a speculative_config
+        if not st.spec_method:
+            return
         for name, text, value in (("num_drafts", "verify steps of a sequence with drafts", st.spec_num_drafts),
                                   ("num_draft_tokens", "draft tokens proposed", st.spec_num_draft_tokens),
                                   ("num_accepted_tokens", "draft tokens the target accepted",
-                                   st.spec_num_accepted_tokens)):
-            yield CounterMetricFamily(f"ridge_spec_decode_{name}", text, value=value)
+                                   st.spec_num_accepted_tokens),
+                                  ("propose_seconds", "host time in the proposer (its draft cost)",
+                                   st.spec_propose_seconds)):
+            family = CounterMetricFamily(f"ridge_spec_decode_{name}", text, labels=["method"])
+            family.add_metric([st.spec_method], value)
+            yield family
+        per_pos = CounterMetricFamily("ridge_spec_decode_num_accepted_tokens_per_pos",
+                                      "verify steps that accepted the draft at this position", labels=["method", "position"])
+        for i, n in enumerate(st.spec_accepted_per_pos):
+            per_pos.add_metric([st.spec_method, str(i)], n)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -338,3 +338,24 @@ def test_fast_path_rejects_unknown_part(tiny, capsys):
     with pytest.raises(SystemExit):
         fast_path.main(["--model", tiny, "--only", "latency,decode"])
     assert "unknown part" in capsys.readouterr().err
+
+
+def test_speculation_report_between_snapshots():
+    """`ridge bench`'s speculation figures are the difference of two engine snapshots: per-position
+    acceptance over the verify steps between them, the proposer's time a draft token; and the table
+    rows name the proposer."""
+    from ridge.bench.common import speculation, speculation_rows
+    from ridge.engine.engine import EngineStats
+    base = (1, 0, 10, 5, 0.5, 0, 3, 4, 0, 0)
+    before = EngineStats(*base, spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=3,
+                         spec_accepted_per_pos=(2, 1), spec_propose_seconds=0.5, spec_method="suffix")
+    after = EngineStats(*base, spec_num_drafts=6, spec_num_draft_tokens=24, spec_num_accepted_tokens=9,
+                        spec_accepted_per_pos=(5, 3, 1), spec_propose_seconds=0.5 + 16e-6 * 40, spec_method="suffix")
+    r = speculation(before, after)
+    assert r["spec_method"] == "suffix" and r["spec_num_drafts"] == 4 and r["spec_num_accepted_tokens"] == 6
+    assert r["spec_acceptance_per_pos"] == [3 / 4, 2 / 4, 1 / 4]
+    assert r["spec_propose_us_per_draft_token"] == pytest.approx(40.0)
+    rows = dict(speculation_rows(r))
+    assert rows["spec proposer"] == "suffix" and rows["spec acceptance by position"] == "75% 50% 25%"
+    assert "40.0 us a draft token" in rows["spec draft cost"]
+    assert speculation_rows(speculation(after, after)) == []        # nothing drafted between them

@@ -319,12 +319,32 @@ def test_metrics_names():
     from ridge.engine.engine import EngineStats
     from ridge.server.metrics import ServerMetrics
     stats = EngineStats(1, 0, 10, 5, 0.5, 0, 3, 4, 0, 0, spec_num_drafts=2, spec_num_draft_tokens=8,
-                        spec_num_accepted_tokens=5)
+                        spec_num_accepted_tokens=5, spec_accepted_per_pos=(2, 2, 1), spec_propose_seconds=0.25,
+                        spec_method="suffix")
     text = generate_latest(ServerMetrics(lambda: stats, lambda: True).registry).decode()
     for name, value in (("ridge_spec_decode_num_drafts_total", 2), ("ridge_spec_decode_num_draft_tokens_total", 8),
-                        ("ridge_spec_decode_num_accepted_tokens_total", 5)):
-        assert f"{name} {float(value)}" in text
+                        ("ridge_spec_decode_num_accepted_tokens_total", 5),
+                        ("ridge_spec_decode_propose_seconds_total", 0.25)):
+        assert f'{name}{{method="suffix"}} {float(value)}' in text
+    for pos, n in enumerate((2, 2, 1)):
+        assert f'ridge_spec_decode_num_accepted_tokens_per_pos_total{{method="suffix",position="{pos}"}} {float(n)}' in text
     assert stats.spec_acceptance_rate == 5 / 8 and stats.spec_mean_accepted_length == 1 + 5 / 2
+    plain = generate_latest(ServerMetrics(lambda: EngineStats(1, 0, 10, 5, 0.5, 0, 3, 4, 0, 0),
+                                          lambda: True).registry).decode()
+    assert "spec_decode" not in plain                      # no speculative_config: no such series
+
+
+def test_counters_per_position_and_draft_cost(demo_plain):
+    """The engine's totals: accepted drafts by position sum to the accepted tokens, position i counts
+    no more steps than position i - 1, and the proposer's host time is counted."""
+    spec = llm(DEMO, speculative_config=NGRAM)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    spec.generate(PROMPTS[:3], params, use_tqdm=False)
+    st = spec.engine.stats()
+    assert st.spec_method == "ngram" and st.spec_num_accepted_tokens > 0 and st.spec_propose_seconds > 0
+    per_pos = st.spec_accepted_per_pos
+    assert sum(per_pos) == st.spec_num_accepted_tokens and list(per_pos) == sorted(per_pos, reverse=True)
+    assert len(per_pos) <= 4 and per_pos[0] <= st.spec_num_drafts
 
 
 @pytest.mark.gpu

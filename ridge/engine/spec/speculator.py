@@ -111,7 +111,7 @@ class Speculator:
         self.proposal: Proposal | None = None
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
         self.proposed: set[int] = set()         # sequences the proposer may keep state for
-        self.counters = SpecCounters()          # totals since start (ridge/engine/spec/metrics.py)
+        self.counters = SpecCounters(spec.method)   # totals since start (ridge/engine/spec/metrics.py)
 
     def step(self, scheduler, committer, overlapped: bool) -> "SpecStep":
         """The engine's one call per step, before its schedule: the step's speculation (a context
@@ -157,7 +157,9 @@ class Speculator:
         self.proposal, self.rows = None, {}
         if not seqs:
             return
+        t0 = time.perf_counter()
         self.proposal = self.proposer.propose(seqs, limits)
+        self.counters.propose_seconds += time.perf_counter() - t0
         for row, (seq, tokens, lim) in enumerate(zip(seqs, self.proposal.tokens, limits)):
             seq.draft_token_ids = list(tokens[:lim])
             self.rows[seq.seq_id] = row
