@@ -74,10 +74,12 @@ def tiny_llm(checkpoints):
 
 
 def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "numprocesses", None):
-        # under pytest-xdist the modules that hold a `slow` test go first, each kept whole (its
-        # module fixtures are built once a worker): the long tests start while the short ones can
-        # still fill the other worker, instead of one long test running alone at the end
+    # Under pytest-xdist only the workers collect, and xdist sets their numprocesses to None: a
+    # worker is told by the workerinput that xdist gives its config.
+    if hasattr(config, "workerinput"):
+        # the modules that hold a `slow` test go first, each kept whole (its module fixtures are
+        # built once a worker): the long tests start while the short ones can still fill the other
+        # worker, instead of one long test running alone at the end
         slow = {item.module for item in items if item.get_closest_marker("slow")}
         items.sort(key=lambda item: item.module not in slow)
     if torch.cuda.is_available():

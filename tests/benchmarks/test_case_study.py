@@ -13,6 +13,10 @@ import sys
 import pytest
 
 from tests.tests_support import REPO as ROOT
+
+# the module fixture round0 (a whole smoke round in a subprocess) costs more than the tests: under
+# pytest-xdist they run on one worker, so it is built once
+pytestmark = pytest.mark.xdist_group("case_study")
 SCRIPT = os.path.join(ROOT, "benchmarks", "case_study", "case_study_70b.py")
 
 
