@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from ridge import LLM, SamplingParams  # noqa: E402
 from ridge.assets import demo_model_path  # noqa: E402
+from ridge.bench.common import speculation  # noqa: E402
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from ridge.engine.spec.clock import StepClock  # noqa: E402
 from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -121,23 +122,15 @@ def agent_prompts(model: str, files: int, turns: int, length: int) -> list[list[
 class StepAccount:
     """Where an engine's decode time goes: each engine step's wall time by kind (a verify step, a
     plain step that computed, a step that only committed ids an overlapped step left on the
-    device) and the proposer's time a call, through wrappers on this engine's own objects."""
+    device), through wrappers on this engine's own objects. The proposer's time is the engine's
+    own counter (EngineStats.spec_propose_seconds)."""
 
     def __init__(self, engine):
-        self.steps, self.propose = {"verify": [], "plain": [], "commit-only": []}, []
+        self.steps = {"verify": [], "plain": [], "commit-only": []}
         self.calls = {"verify": 0, "execute": 0}
         self._wrap(engine.runner, "execute", "execute")
-        spec = engine.speculator
-        if spec is not None:
-            self._wrap(spec, "verify", "verify")
-            propose = spec.proposer.propose
-
-            def timed_propose(*args, **kw):
-                t0 = time.perf_counter()
-                out = propose(*args, **kw)
-                self.propose.append(time.perf_counter() - t0)
-                return out
-            spec.proposer.propose = timed_propose
+        if engine.speculator is not None:
+            self._wrap(engine.speculator, "verify", "verify")
         step = engine.step
 
         def timed_step(*args, **kw):
@@ -160,15 +153,14 @@ class StepAccount:
         setattr(obj, name, counted)
 
     def reset(self):
-        for v in (*self.steps.values(), self.propose):
+        for v in self.steps.values():
             v.clear()
 
     def summary(self) -> dict:
         med = lambda v: round(1e6 * statistics.median(v), 1) if v else None     # noqa: E731
         return {**{f"{k}_steps": len(v) for k, v in self.steps.items()},
                 **{f"{k}_step_us": med(v) for k, v in self.steps.items()},
-                **{f"{k}_total_ms": round(1e3 * sum(v), 1) for k, v in self.steps.items()},
-                "propose_calls": len(self.propose), "propose_us": med(self.propose)}
+                **{f"{k}_total_ms": round(1e3 * sum(v), 1) for k, v in self.steps.items()}}
 
 
 def run_agent(a) -> dict:
@@ -192,14 +184,14 @@ def run_agent(a) -> dict:
         s1 = llm.engine.stats()
         got = [o.outputs[0].token_ids for o in outs]
         want = got if want is None else want
-        drafts = s1.spec_num_drafts - s0.spec_num_drafts
-        proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
-        accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+        spec = speculation(s0, s1)
         plain_s = secs if plain_s is None else plain_s
         rows.append(dict(method=name, tokens_per_s=len(prompts) * a.output_len / secs, speedup=plain_s / secs,
-                         acceptance_rate=accepted / proposed if proposed else None,
-                         mean_accepted_length=1 + accepted / drafts if drafts else None, drafts=drafts,
-                         same_tokens_as_plain=got == want, **account.summary()))
+                         acceptance_rate=spec["spec_acceptance_rate"],
+                         mean_accepted_length=spec["spec_mean_accepted_length"], drafts=spec["spec_num_drafts"],
+                         same_tokens_as_plain=got == want, **account.summary(),
+                         propose_ms=1e3 * spec["spec_propose_s"],
+                         propose_us_per_draft_token=spec["spec_propose_us_per_draft_token"]))
         del llm
     return dict(part="agent", files=a.prompts, turns=a.turns, prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
 
