@@ -226,13 +226,17 @@ def need_baseline(r: Run) -> str:
     return os.path.abspath(r.baseline)
 
 
-def spec_verify(r: Run) -> list[Step]:
-    args = ["verify", "--model", CFG_8B, "--load-format", "dummy", *r.extra]
-    steps: list[Step] = [cfg8b(), script("engine/spec_decode.py", *args, "--json", r.o("spec_verify.json"))]
-    if r.baseline:
-        base = os.path.abspath(r.baseline)
-        steps.append(py(baseline_script(base, "engine", "spec_decode.py"), *args,
-                        "--json", r.o("spec_verify_base.json"), cwd=base, env=r.pythonpath(base)))
+def spec_with_baseline(part: str, *args: str) -> Callable[[Run], list[Step]]:
+    """spec_decode.py PART in this tree and, with --baseline, the same in that tree."""
+    def steps(r: Run) -> list[Step]:
+        argv = [part, *args, *r.extra]
+        out: list[Step] = [cfg8b()] if "--model" in args else []
+        out.append(script("engine/spec_decode.py", *argv, "--json", r.o(f"spec_{part}.json")))
+        if r.baseline:
+            base = os.path.abspath(r.baseline)
+            out.append(py(baseline_script(base, "engine", "spec_decode.py"), *argv,
+                          "--json", r.o(f"spec_{part}_base.json"), cwd=base, env=r.pythonpath(base)))
+        return out
     return steps
 
 
@@ -352,11 +356,12 @@ PARTS = [
     Part("spec-demo", "benchmarks/engine/spec_decode.py demo: the demo pair and n-gram, batch 1",
          lambda r: [script("engine/spec_decode.py", "demo", *r.extra, "--json", r.o("spec_demo.json"))], 300, 60,
          ("spec_demo.json",), extra=True),
-    Part("spec-agent", "benchmarks/engine/spec_decode.py agent: suffix decoding vs n-gram on turns of file edits, batch 1",
-         lambda r: [script("engine/spec_decode.py", "agent", *r.extra, "--json", r.o("spec_agent.json"))], 300, 60,
-         ("spec_agent.json",), extra=True),
+    Part("spec-agent", "benchmarks/engine/spec_decode.py agent: suffix decoding vs n-gram on turns of file edits, "
+         "batch 1; with --baseline the same in that tree", spec_with_baseline("agent"), 400, 60,
+         ("spec_agent.json", "spec_agent_base.json"), extra=True),
     Part("spec-verify", "benchmarks/engine/spec_decode.py verify, 8B shape; with --baseline the same in that tree",
-         spec_verify, 500, 90, ("spec_verify.json", "spec_verify_base.json"), extra=True),
+         spec_with_baseline("verify", "--model", CFG_8B, "--load-format", "dummy"), 500, 90,
+         ("spec_verify.json", "spec_verify_base.json"), extra=True),
     Part("spec-oracle", "benchmarks/engine/spec_decode.py oracle, 8B shape, batch 1 and 64, k 2 4 8",
          lambda r: [cfg8b(), script("engine/spec_decode.py", "oracle", "--model", CFG_8B, "--load-format", "dummy",
                                     "--batches", "1", "64", "--ks", "2", "4", "8", *r.extra,
