@@ -1,6 +1,6 @@
 """Committing sampled tokens: append each to its sequence (or fill the placeholder an overlapped
 step left), record log-probabilities, detokenize, and decide whether the token ends the sequence
-(stop token, stop string, max_tokens, context length). Each sequence detokenizes through a
+(stop token, stop string, a structured output's end, max_tokens, context length). Each sequence detokenizes through a
 DecodeStream, which emits text only once a whole UTF-8 piece is known (a character split across
 tokens is held back), so the cumulative text is always valid and never rewritten."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 import torch
 
 from ridge.engine.request import Logprob, Request, Sequence
+from ridge.engine.structured import advance
 from ridge.engine.token_text import TokenTexts
 
 
@@ -87,6 +88,8 @@ class Committer:
                 if hits:
                     seq.text = seq.text[:min(hits)]
                     return "stop"
+        if seq.grammar is not None and advance(seq, tok):
+            return "stop"     # the structured output is complete
         if num_output >= seq.request.max_tokens or length >= self.max_model_len:
             return "length"
         return None

@@ -127,10 +127,10 @@ class Engine:
             turn.kind = "plain" if decoding else None
         sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
-        tokens, info = self.runner.sample(fwd.logits[rows], seqs, self.eos_ids)
+        tokens, info = self._sample(fwd.logits[rows], seqs)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
-                and not any(s.request.params.uses_penalties for s in seqs) \
+                and not any(s.request.params.uses_penalties or s.grammar is not None for s in seqs) \
                 and (turn is None or not turn.keeps_drafting()):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
@@ -144,12 +144,19 @@ class Engine:
         touched = []
         if rows:
             lasts = self.runner.to_device([verified.plain_rows[r] for r in rows], torch.int64)
-            tokens, info = self.runner.sample(logits[lasts], seqs, self.eos_ids)
+            tokens, info = self._sample(logits[lasts], seqs)
             touched = self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info))
         touched += self.committer.commit_runs([i.seq for i in verified.items], verified.tokens, verified.infos)
         for item, run in zip(verified.items, verified.tokens):
             self.scheduler.accept(item, len(run))
         return list({r.request_id: r for r in touched}.values())
+
+    def _sample(self, logits: torch.Tensor, seqs: list):
+        """Sample a row per sequence (`logits`: a copy, one row each), structured outputs' masks applied
+        first. A sequence with a grammar is never left on the device: its next mask needs this token."""
+        if self.intake.grammars is not None:
+            self.intake.grammars.mask(logits, seqs)
+        return self.runner.sample(logits, seqs, self.eos_ids)
 
     def _step_overlapped(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight

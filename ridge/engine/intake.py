@@ -22,6 +22,21 @@ class Intake:
         self.pages_for = pages_for                      # tokens -> KV pages they occupy
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
+        self.grammars = None                            # structured outputs' compiler, made when first asked
+
+    def grammar_matchers(self, params: SamplingParams) -> list | None:
+        """A matcher per sample for the request's structured output (None without one); the grammar is
+        compiled here, in the caller's thread, or a ValueError names what XGrammar could not compile."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: needs the model's tokenizer (the engine was made without one)")
+        if self.grammars is None:
+            from ridge.engine.structured import Grammars
+            self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids))
+        self.grammars.compile(so)
+        return [self.grammars.matcher(so) for _ in range(params.n)]
 
     def make_request(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams | None,
                      request_id: str | None, in_use) -> Request:
@@ -47,6 +62,7 @@ class Intake:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        matchers = self.grammar_matchers(params)
         req = Request(request_id, text, token_ids, params, max_tokens)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         for j in range(params.n):
@@ -56,6 +72,7 @@ class Intake:
                            status=SeqStatus.WAITING if j == 0 else SeqStatus.UNBORN,
                            logprobs=[] if params.logprobs is not None else None,
                            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None and j == 0 else None)
+            seq.grammar = matchers[j] if matchers is not None else None
             if self.tokenizer is not None:      # emits text once a whole UTF-8 piece is known
                 seq.detokenizer = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             req.seqs.append(seq)

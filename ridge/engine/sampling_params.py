@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ridge.engine.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # Finite ranges for the floats the sampler divides or multiplies the float32 logits by (ridge/
 # layers/sampler.py). "Finite" is not enough: repetition_penalty=1e-300 is 0 in float32, so a
@@ -39,12 +41,16 @@ class SamplingParams:
     # scoring text, vLLM's: each prompt token's log p given the tokens before it (position 0 has
     # none) and the top k candidates there; None: off (0: the prompt token's own only)
     prompt_logprobs: int | None = None
+    # vLLM's: the output held to a JSON schema, a regex, a choice or a grammar (a dict of those
+    # fields is taken too); None: free text
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)   # `stop` as a list
 
     def __post_init__(self):
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop: must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.validate()
 
     greedy = property(lambda self: self.temperature == 0.0)

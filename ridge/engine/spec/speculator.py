@@ -126,6 +126,8 @@ class Speculator:
             return 0
         if seq.status != SeqStatus.RUNNING or seq.num_output_tokens < p.min_tokens:   # min_tokens bans stops
             return 0                                                                   # per position
+        if seq.grammar is not None:       # drafts are not checked against a structured output's grammar
+            return 0
         if (batch > self.cutoff or not self.clock.pays(batch)) and not (p.seed is not None and p.temperature > 0):
             return 0
         acc = self.acceptance.get(seq.seq_id)

@@ -1,0 +1,136 @@
+"""Structured outputs: a request's output held to a JSON schema, any JSON object, a regex, a choice
+of strings or an EBNF grammar, through XGrammar (the grammar engine vLLM and SGLang serve these
+with).
+
+A grammar is compiled once against the tokenizer's vocabulary (XGrammar precomputes, per grammar
+state, which tokens are allowed whatever follows them, so a step only walks the few tokens whose
+validity depends on context) and cached by its text. Each sequence that asks for one carries a
+matcher, its position in the grammar. Before a sampling step the engine fills one bit per
+vocabulary entry for each such row (int32 words, vocab / 32 a row) and the disallowed logits go to
+-inf in place, so every sampler path (greedy's argmax, top-k/p, logprobs) draws only tokens that
+keep the output parseable (JSON without free whitespace between its tokens: vLLM's
+disable_any_whitespace); when the token is committed the matcher advances, and a grammar that
+has reached its end finishes the request ("stop"): the output is complete.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs` (SamplingParams): exactly one of a JSON schema (`json`, a dict or
+    its JSON text), `json_object` (any JSON object), `regex`, `choice` (one of these strings) or
+    `grammar` (EBNF, XGrammar's dialect of GBNF)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+            elif not isinstance(self.json, dict):
+                raise ValueError(f"structured_outputs.json: a JSON schema (object or its text), got {type(self.json).__name__}")
+        elif kind == "choice":
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise ValueError(f"structured_outputs.json_object: must be true, got {self.json_object!r}")
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise ValueError(f"structured_outputs.{kind}: a non-empty string, got {getattr(self, kind)!r}")
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs: an object with one of json, json_object, regex, choice, "
+                             f"grammar, got {type(value).__name__}")
+        unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+        return cls(**value)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar is cached under."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+class Grammars:
+    """Compiles the grammars of one tokenizer (cached by their text) and makes matchers for them."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        self.xgr, self.vocab_size = xgr, vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+        self.compiled: dict[tuple[str, str], object] = {}
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar, or a ValueError naming the field XGrammar could not compile."""
+        key = params.key()
+        found = self.compiled.get(key)
+        if found is not None:
+            return found
+        kind, text = key
+        c = self.compiler
+        try:
+            if kind in ("json", "json_object"):
+                # no free whitespace between tokens (XGrammar's separators ", " and ": "): a model that
+                # favours newlines could otherwise spend every token on them and never close the object
+                compiled = c.compile_json_schema(text if kind == "json" else '{"type": "object"}',
+                                                 any_whitespace=False, strict_mode=True)
+            elif kind == "choice":
+                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in params.choice))
+            elif kind == "regex":
+                compiled = c.compile_regex(text)
+            else:
+                compiled = c.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{kind}: XGrammar cannot compile it: {e}") from None
+        self.compiled[key] = compiled
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams):
+        return self.xgr.GrammarMatcher(self.compile(params))
+
+    def mask(self, logits: torch.Tensor, seqs: list) -> None:
+        """Disallowed tokens' logits to -inf, in place, for each row whose sequence has a matcher."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return
+        bitmask = self.xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        for i in rows:
+            seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                             vocab_size=self.vocab_size, indices=rows)
+
+
+def advance(seq, token: int) -> bool:
+    """The sequence's matcher takes its committed token; True when the grammar has reached its end."""
+    if not seq.grammar.accept_token(token):
+        raise RuntimeError(f"structured outputs: token {token} is outside the grammar of request "
+                           f"{seq.request.request_id} (the mask allowed it)")
+    return seq.grammar.is_terminated()

@@ -1,0 +1,121 @@
+"""Structured outputs (ridge/engine/structured.py) on the demo model, CPU: every output under a JSON
+schema, a JSON object, a regex, a choice or an EBNF grammar parses, alone and in batches mixed with
+free requests, with n > 1, preemption, prefix-cache hits and speculative decoding; bad requests
+are refused by field and leave the engine as it was."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from ridge import LLM, SamplingParams
+from ridge.assets import demo_model_path
+
+DEMO = demo_model_path()
+PROMPTS = ["def parse(path):", "import os\n", "class Point:", "# settings\nconfig = ", "for i in range(10):"]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+REGEX = r"[a-z]{2,5}_[0-9]{1,3}"
+CHOICE = ["yes", "no", "it depends"]
+GRAMMAR = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]*'
+
+
+def constrained(kind, **kw):
+    value = {"json": SCHEMA, "json_object": True, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR}[kind]
+    return SamplingParams(structured_outputs={kind: value}, **{"max_tokens": 64, "temperature": 0.9, **kw})
+
+
+def check(kind, text):
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICE
+    else:
+        assert re.fullmatch(r"\([1-9][0-9]*(,[1-9][0-9]*)*\)", text), text
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return LLM(DEMO, device="cpu", show_progress=False, max_model_len=512)
+
+
+@pytest.mark.parametrize("kind", ["json", "json_object", "regex", "choice", "grammar"])
+def test_every_output_parses_and_free_requests_in_the_batch_are_untouched(demo, kind):
+    free = SamplingParams(max_tokens=12, temperature=0)
+    alone = [o.outputs[0].token_ids for o in demo.generate(PROMPTS[:2], free, use_tqdm=False)]
+    # any JSON object: at 0.9 a draw may run on past max_tokens (keys without end); at 1.0 these three close
+    params = [constrained(kind, seed=i, **({"max_tokens": 160, "temperature": 1.0} if kind == "json_object" else {}))
+              for i in range(3)]
+    outs = demo.generate(PROMPTS[:2] + PROMPTS[2:5], [free, free] + params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    for o in outs[2:]:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0]     # the grammar's end, before max_tokens
+        check(kind, o.outputs[0].text)
+
+
+def test_n_samples_each_follow_the_grammar_on_their_own(demo):
+    out = demo.generate(PROMPTS[0], constrained("regex", n=4, temperature=1.0, seed=3), use_tqdm=False)[0]
+    texts = [c.text for c in out.outputs]
+    for t in texts:
+        check("regex", t)
+    assert len(set(texts)) > 1                             # four draws, not one copied
+
+
+def test_greedy_under_a_grammar_is_the_same_across_preemption_prefix_hits_and_speculation(demo):
+    """Greedy constrained outputs do not depend on how the engine computed them: preempted and
+    recomputed, from prefix-cache hits, or beside speculating requests (a constrained sequence
+    itself takes no drafts)."""
+    prompts = ["x = 1\n" * 12 + p for p in PROMPTS]
+    params = constrained("json", temperature=0)
+    want = [o.outputs[0].text for o in demo.generate(prompts, params, use_tqdm=False)]
+    for t in want:
+        check("json", t)
+    tight = LLM(DEMO, device="cpu", show_progress=False, max_model_len=512, enable_prefix_caching=True,
+                page_size=8, max_num_batched_tokens=32, kv_cache_memory=16 * 2 * 6 * 8 * 2 * 64 * 4)
+    got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert tight.engine.stats().num_preemptions > 0 and tight.engine.stats().prompt_tokens < sum(
+        len(tight.engine.tokenizer.encode(p)) for p in prompts)
+    spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    mixed = spec.generate(prompts + prompts[:2], [params] * len(prompts) + [SamplingParams(max_tokens=24,
+                                                                                      temperature=0)] * 2,
+                          use_tqdm=False)
+    assert [o.outputs[0].text for o in mixed[:len(prompts)]] == want
+    assert all(o.metrics.num_drafts == 0 for o in mixed[:len(prompts)])
+
+
+def test_a_length_limit_inside_the_structure_says_length(demo):
+    out = demo.generate(PROMPTS[0], constrained("json", max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"json": {"type": "object"}, "regex": "a"}, "exactly one of"),
+    ({}, "exactly one of"),
+    ({"jsn": {}}, "unknown field(s) jsn"),
+    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+    ({"json": {"type": "frobnicate"}}, "structured_outputs.json: XGrammar cannot compile"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex: XGrammar cannot compile"),
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar: XGrammar cannot compile"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+    ("json", "structured_outputs: an object"),
+])
+def test_bad_requests_are_refused_by_field_and_lose_nothing(demo, value, message):
+    engine = demo.engine
+    ok = engine.add_request("def f():", SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request("def g():", SamplingParams(max_tokens=3, structured_outputs=value))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == [ok] and not engine.scheduler.has_work()
+    assert not engine.requests                             # the refused request left nothing behind
