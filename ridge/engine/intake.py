@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 
 from tokenizers.decoders import DecodeStream
 
@@ -23,20 +24,28 @@ class Intake:
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self.grammars = None                            # structured outputs' compiler, made when first asked
+        self._grammars_made = threading.Lock()
 
-    def grammar_matchers(self, params: SamplingParams) -> list | None:
-        """A matcher per sample for the request's structured output (None without one); the grammar is
-        compiled here, in the caller's thread, or a ValueError names what XGrammar could not compile."""
+    def compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (None without a structured output), cached: a server calls
+        this in a worker thread before it queues the request, so the engine thread finds it made.
+        A ValueError names what XGrammar could not compile."""
         so = params.structured_outputs
         if so is None:
             return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs: needs the model's tokenizer (the engine was made without one)")
-        if self.grammars is None:
-            from ridge.engine.structured import Grammars
-            self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids))
-        self.grammars.compile(so)
-        return [self.grammars.matcher(so) for _ in range(params.n)]
+        with self._grammars_made:
+            if self.grammars is None:
+                from ridge.engine.structured import Grammars
+                self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids))
+        return self.grammars.compile(so)
+
+    def grammar_matchers(self, params: SamplingParams) -> list | None:
+        """A matcher per sample for the request's structured output (None without one)."""
+        if self.compile_grammar(params) is None:
+            return None
+        return [self.grammars.matcher(params.structured_outputs) for _ in range(params.n)]
 
     def make_request(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams | None,
                      request_id: str | None, in_use) -> Request:

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 import torch
 
 
+class StructuredOutputError(ValueError):
+    """A structured output that names no kind or several, or that XGrammar cannot compile."""
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's `structured_outputs` (SamplingParams): exactly one of a JSON schema (`json`, a dict or
@@ -34,7 +38,7 @@ class StructuredOutputsParams:
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar; "
+            raise StructuredOutputError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(given) or 'none'}")
         kind = given[0]
         if kind == "json":
@@ -42,29 +46,29 @@ class StructuredOutputsParams:
                 try:
                     json.loads(self.json)
                 except ValueError as e:
-                    raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+                    raise StructuredOutputError(f"structured_outputs.json: not valid JSON: {e}") from None
             elif not isinstance(self.json, dict):
-                raise ValueError(f"structured_outputs.json: a JSON schema (object or its text), got {type(self.json).__name__}")
+                raise StructuredOutputError(f"structured_outputs.json: a JSON schema (object or its text), got {type(self.json).__name__}")
         elif kind == "choice":
             if not isinstance(self.choice, (list, tuple)) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
+                raise StructuredOutputError(f"structured_outputs.choice: a non-empty list of non-empty strings, got {self.choice!r}")
         elif kind == "json_object":
             if self.json_object is not True:
-                raise ValueError(f"structured_outputs.json_object: must be true, got {self.json_object!r}")
+                raise StructuredOutputError(f"structured_outputs.json_object: must be true, got {self.json_object!r}")
         elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
-            raise ValueError(f"structured_outputs.{kind}: a non-empty string, got {getattr(self, kind)!r}")
+            raise StructuredOutputError(f"structured_outputs.{kind}: a non-empty string, got {getattr(self, kind)!r}")
 
     @classmethod
     def of(cls, value) -> "StructuredOutputsParams | None":
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs: an object with one of json, json_object, regex, choice, "
+            raise StructuredOutputError(f"structured_outputs: an object with one of json, json_object, regex, choice, "
                              f"grammar, got {type(value).__name__}")
         unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+            raise StructuredOutputError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
         return cls(**value)
 
     def key(self) -> tuple[str, str]:
@@ -109,7 +113,7 @@ class Grammars:
             else:
                 compiled = c.compile_grammar(text)
         except (RuntimeError, ValueError) as e:
-            raise ValueError(f"structured_outputs.{kind}: XGrammar cannot compile it: {e}") from None
+            raise StructuredOutputError(f"structured_outputs.{kind}: XGrammar cannot compile it: {e}") from None
         self.compiled[key] = compiled
         return compiled
 

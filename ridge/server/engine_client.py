@@ -174,6 +174,9 @@ class EngineClient:
             self.check_ready()          # the server may have begun to close meanwhile
         elif isinstance(prompt, ChatPrompt):
             raise ValueError("messages: this model has no tokenizer")
+        if params.structured_outputs is not None:   # compiled off the engine thread (then cached)
+            await self._loop.run_in_executor(self._pool, self._llm.engine.intake.compile_grammar, params)
+            self.check_ready()
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, sink, accepted))
         try:

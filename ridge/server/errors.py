@@ -24,6 +24,8 @@ SCHEMA_VALID_REFUSALS = {
                                "in the cache",
     "conflicting_parameters": "values that each pass but not together: min_tokens above max_tokens, best_of "
                               "other than 1 or n (and the combinations the schema's if/then rules state)",
+    "invalid_structured_output": "a JSON schema, regex or grammar XGrammar cannot compile, or a structured_outputs "
+                                 "object that gives none or several of its kinds",
 }
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 

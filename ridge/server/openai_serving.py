@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 
 from ridge.engine.request import CompletionOutput, ContextLengthError, RequestOutput
 from ridge.engine.sampling_params import SamplingParams
+from ridge.engine.structured import StructuredOutputError
 from ridge.server.config import ServerConfig
 from ridge.server.engine_client import EngineClient, EngineFailure, EngineItem, EngineUnavailable
 from ridge.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, from_value_error
@@ -28,6 +29,7 @@ from ridge.server.protocol import Usage
 from ridge.server.text_stream import TextDelta
 
 
+_STRUCTURED_SUFFIXES = ("", ".json", ".json_object", ".regex", ".choice", ".grammar")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "min_tokens")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -59,7 +61,7 @@ class RequestGroup:
                 self.client.abort(rid)
         e = refused[0]
         if isinstance(e, ValueError):
-            code = CONTEXT_LENGTH_EXCEEDED if isinstance(e, ContextLengthError) else "invalid_parameter"
+            code = CONTEXT_LENGTH_EXCEEDED if isinstance(e, ContextLengthError) else error_code(e)
             raise from_value_error(e, rename, code) from None
         if isinstance(e, EngineUnavailable):
             raise APIError(503, str(e), None, "engine_not_ready") from None
@@ -100,6 +102,10 @@ class RequestGroup:
         return self.ids.index(rid)
 
 
+def error_code(e: ValueError) -> str:
+    return "invalid_structured_output" if isinstance(e, StructuredOutputError) else "invalid_parameter"
+
+
 class OpenAIServing:
     def __init__(self, client: EngineClient, metrics: ServerMetrics, cfg: ServerConfig):
         self.client, self.metrics, self.cfg = client, metrics, cfg
@@ -114,13 +120,20 @@ class OpenAIServing:
                        "model", "model_not_found")
 
     def params(self, req, max_tokens, logprobs, rename, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams. `rename` (the engine's parameter names to this endpoint's) gains
+        the field a structured output came from, for the errors of building and compiling it."""
         kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         kw.update({k: getattr(req, k) for k in _OPTIONAL_SAMPLING if getattr(req, k) is not None})
+        structured, source = req.structured()
+        if structured is not None:
+            kw["structured_outputs"] = structured
+            if source != "structured_outputs":
+                rename.update({f"structured_outputs{sub}": source for sub in _STRUCTURED_SUFFIXES})
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise from_value_error(e, rename) from None
+            raise from_value_error(e, rename, error_code(e)) from None
 
     async def collect(self, group: RequestGroup, raw: Request) -> list[RequestOutput] | None:
         """The final outputs, in prompt order; None if the client went away first (then the

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from ridge.engine.prompts import CHAT_ROLES
@@ -84,7 +85,6 @@ NEEDS_STREAM = Needs("stream_options", SET, "stream")
 # fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
 NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)
 NO_CALL_CHOICE = only(str | dict | None, None, "none", "auto")
-TEXT_FORMAT = only(dict | None, None, {"type": "text"}, why='only {"type": "text"} is supported by this server')
 
 
 def conflict(param: str, why: str) -> PydanticCustomError:
@@ -106,6 +106,87 @@ class _Request(BaseModel):
             if rule.applies(self) and getattr(self, rule.other) is not True:
                 raise rule.error()
         return self
+
+
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    schema_: dict | None = Field(None, alias="schema")      # none: any JSON object
+    strict: bool | None = None                               # XGrammar holds every schema strictly
+    description: str | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+    def structured(self) -> dict | None:
+        return None
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+    def structured(self) -> dict | None:
+        return {"json_object": True}
+
+
+class JsonSchemaResponseFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    def structured(self) -> dict | None:
+        schema = self.json_schema.schema_
+        return {"json_object": True} if schema is None else {"json": schema}
+
+
+def _format_tag(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type-{kind}"     # a tag with "-": the error names response_format's own fields, not the tag
+
+
+# OpenAI's response_format: free text, any JSON object, or JSON under a schema
+ResponseFormat = Annotated[Annotated[TextFormat, Tag("type-text")] | Annotated[JsonObjectFormat, Tag("type-json_object")]
+                           | Annotated[JsonSchemaResponseFormat, Tag("type-json_schema")], Discriminator(_format_tag)]
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: one of these kinds (its other fields are ignored, as unknown fields are)."""
+    json_: dict | str | None = Field(None, alias="json")       # a JSON schema
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None                                 # EBNF
+
+    def value(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class StructuredFields(_Request):
+    """Constrained output, by OpenAI's field (response_format) or vLLM's (structured_outputs, and the
+    guided_* names of vLLM's earlier releases): at most one of them."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _constraints(self) -> dict:
+        given = {"response_format": self.response_format.structured() if self.response_format else None,
+                 "structured_outputs": self.structured_outputs.value() if self.structured_outputs else None,
+                 **{f"guided_{k}": {k: getattr(self, f"guided_{k}")} for k in ("json", "regex", "choice", "grammar")
+                    if getattr(self, f"guided_{k}") is not None}}
+        return {k: v for k, v in given.items() if v is not None}
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = self._constraints()
+        if len(given) > 1:
+            raise conflict(sorted(given)[1], f"only one of {', '.join(sorted(given))} may constrain the output")
+        return self
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """(vLLM's structured_outputs value, the field it came from), or (None, None)."""
+        return next(((v, k) for k, v in self._constraints().items()), (None, None))
 
 
 class StreamOptions(_Request):
@@ -164,7 +245,7 @@ def request_models(lim: RequestLimits) -> RequestModels:
     top_count = integer(0, lim.max_logprobs)             # logprobs candidates at a position
     t_lo = TEMPERATURE_RANGE[0]
 
-    class _SamplingFields(_Request):
+    class _SamplingFields(StructuredFields):
         model: str | None = None                             # the served name (any other: 404)
         n: integer(1, lim.max_n) = 1
         # 0 is greedy; a positive temperature below t_lo would overflow the float32 sampler
@@ -216,7 +297,6 @@ def request_models(lim: RequestLimits) -> RequestModels:
         logprobs: bool = False
         top_logprobs: top_count | None = None
         tools: NO_TOOLS = None
-        response_format: TEXT_FORMAT = None
         functions: only(list[dict] | None, None, []) = None
         function_call: NO_CALL_CHOICE = None
         tool_choice: NO_CALL_CHOICE = None

@@ -34,10 +34,11 @@ class CompletionServing(OpenAIServing):
         only_prompt = req.echo and req.max_tokens == 0
         # the engine scores the prompt for the larger of what echo's logprobs and prompt_logprobs show
         shown = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
-        params = self.params(req, 1 if only_prompt else req.max_tokens, None if only_prompt else req.logprobs, {},
+        rename = {}
+        params = self.params(req, 1 if only_prompt else req.max_tokens, None if only_prompt else req.logprobs, rename,
                              max(shown) if shown else None)
         group = RequestGroup(self.client, self.metrics, f"cmpl-{uuid.uuid4().hex}")
-        await group.submit(prompts, params, {}, req.parse_special_tokens)
+        await group.submit(prompts, params, rename, req.parse_special_tokens)
         if req.stream:
             return self.streaming_response(group, self._events(group, req, params))
         finals = await self.collect(group, raw)

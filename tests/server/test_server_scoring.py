@@ -133,7 +133,11 @@ def test_openapi_states_the_served_limits(server):
     assert ops["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/"
                                                                                     "CompletionRequest"}
     assert set(ops["responses"]["400"]["x-schema-valid-refusals"]) == {"context_length_exceeded",
-                                                                        "conflicting_parameters"}
+                                                                        "conflicting_parameters",
+                                                                        "invalid_structured_output"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):     # the structured-output fields documented
+        assert {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar"} <= set(schemas[name]["properties"])
     assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
 
 
