@@ -119,3 +119,20 @@ def test_bad_requests_are_refused_by_field_and_lose_nothing(demo, value, message
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == [ok] and not engine.scheduler.has_work()
     assert not engine.requests                             # the refused request left nothing behind
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_every_output_parses_beside_free_requests_on_the_decode_graphs():
+    """On the GPU (bf16, Triton kernels, decode graphs): XGrammar's mask applied on the device to the
+    sampled rows, free requests decoding beside them (their tokens against a batch of other sizes are
+    the CPU test's: bf16 kernels at other batch sizes may break a near-tie)."""
+    with LLM(DEMO, show_progress=False, dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=512) as llm:
+        free = SamplingParams(max_tokens=16, temperature=0)
+        kinds = ["json", "regex", "choice", "grammar"]
+        outs = llm.generate(PROMPTS[:2] + PROMPTS[:4], [free, free] + [constrained(k, seed=i) for i, k in enumerate(kinds)],
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs[:2])
+        for kind, o in zip(kinds, outs[2:]):
+            assert o.outputs[0].finish_reason == "stop"
+            check(kind, o.outputs[0].text)
