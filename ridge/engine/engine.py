@@ -62,7 +62,7 @@ class Engine:
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.intake = Intake(cfg, model_cfg, tokenizer, self.pages.pages_for)
         self.committer = Committer(cfg.max_model_len, self.eos_ids, tokenizer, self.scheduler)
-        self.overlap = DecodeOverlap(self.scheduler, runner, cfg.max_model_len, self.eos_ids)
+        self.overlap = DecodeOverlap(self.scheduler, runner, cfg.max_model_len, self._sample)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.num_decode_steps = 0
@@ -130,7 +130,7 @@ class Engine:
         tokens, info = self._sample(fwd.logits[rows], seqs)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
-                and not any(s.request.params.uses_penalties or s.grammar is not None for s in seqs) \
+                and not any(s.request.params.uses_penalties for s in seqs) \
                 and (turn is None or not turn.keeps_drafting()):
             self.overlap.leave_on_device(seqs, tokens, info, sched)
             return []
@@ -152,8 +152,8 @@ class Engine:
         return list({r.request_id: r for r in touched}.values())
 
     def _sample(self, logits: torch.Tensor, seqs: list):
-        """Sample a row per sequence (`logits`: a copy, one row each), structured outputs' masks applied
-        first. A sequence with a grammar is never left on the device: its next mask needs this token."""
+        """Sample a row per sequence (`logits`: one row each, masked in place), structured outputs'
+        masks applied first."""
         if self.intake.grammars is not None:
             self.intake.grammars.mask(logits, seqs)
         return self.runner.sample(logits, seqs, self.eos_ids)
@@ -161,15 +161,18 @@ class Engine:
     def _step_overlapped(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight
         step's ids (the wait for them overlaps the step just launched)."""
+        unsampled = None
         if turn is not None and turn.drafts_next:
             prev, self.overlap.inflight = self.overlap.inflight, None   # commit it; the next step drafts
         else:
-            prev = self.overlap.launch_ahead()
-        ahead = self.overlap.inflight
-        if ahead is not None:
+            prev, unsampled = self.overlap.launch_ahead()
+        if self.overlap.inflight is not None or unsampled is not None:
             self.num_decode_steps += 1
         tokens = self.runner.host_tokens(prev.host, prev.done)
         outputs = self._outputs(self.committer.commit(prev.seqs, tokens, prev.info, prev.indices), finished_only)
+        if unsampled is not None:
+            self.overlap.sample_ahead(unsampled)        # the grammars have taken prev's ids: masks are current
+        ahead = self.overlap.inflight
         if ahead is not None:
             ahead.sched.scheduled = [i for i in ahead.sched.scheduled if not i.seq.is_finished]
             self._advance(ahead.sched)      # its input tokens are known now: full pages can be hashed

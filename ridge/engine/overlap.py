@@ -9,6 +9,12 @@ them, overlapping the step just launched. A sequence the earlier token stops (st
 string) has had one extra token computed, which is discarded; one it ends by length is known and
 left out. Penalties read the host's token history, so rows using them run synchronously, as does
 any step that must admit, preempt or fork (the regular schedule).
+
+Structured outputs overlap too. A row's mask needs every token before it, so a step with a
+grammar row launches only its forward ahead; the engine then waits for the earlier ids, commits
+them (the matchers take them) and samples the launched step under the new masks. The host's
+wait, commit and mask filling run while the device runs that forward; only the sampler waits
+for the masks.
 """
 from __future__ import annotations
 
@@ -34,39 +40,61 @@ class InflightStep:
     sched: SchedulerOutput            # advanced (pages registered) once the ids before it are known
 
 
+@dataclass
+class UnsampledStep:
+    """A decode step launched ahead whose rows wait for their masks before they are sampled."""
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    sched: SchedulerOutput
+
+
 class DecodeOverlap:
-    def __init__(self, scheduler: Scheduler, runner, max_model_len: int, eos_ids: list[int]):
-        self.scheduler, self.runner, self.max_model_len, self.eos_ids = scheduler, runner, max_model_len, eos_ids
+    def __init__(self, scheduler: Scheduler, runner, max_model_len: int, sample):
+        """`sample(logits, seqs) -> (tokens, info)`: the engine's sampler, masks applied."""
+        self.scheduler, self.runner, self.max_model_len, self.sample = scheduler, runner, max_model_len, sample
         self.inflight: InflightStep | None = None
         self.num_overlapped_steps = 0     # decode steps launched before the previous step's ids were read
 
     def leave_on_device(self, seqs: list[Sequence], tokens: torch.Tensor, info, sched: SchedulerOutput) -> None:
+        """The step's ids stay on the device; a sequence that ended meanwhile (its row was computed
+        before its end was known) gets no placeholder, and its id is discarded at commit."""
         if info is not None:              # queued before the tokens' copy, whose event then covers them
             info = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in info)
         host, done = self.runner.tokens_to_host(tokens)
         indices = [len(seq.token_ids) for seq in seqs]
         for seq in seqs:
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
+            if not seq.is_finished:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
         self.inflight = InflightStep(seqs, tokens, host, info, done, indices, sched)
 
-    def launch_ahead(self) -> InflightStep | None:
+    def launch_ahead(self) -> tuple[InflightStep, UnsampledStep | None]:
         """Take the in-flight step, first launching the next decode step (without the sequences
         the taken step ends by length) if its sequences are all that runs and no waiting request
-        could be admitted (which needs the regular schedule). The step launched is in flight."""
+        could be admitted (which needs the regular schedule). A step launched is sampled at once
+        and in flight, or, when a row has a grammar, returned unsampled (`sample_ahead` after the
+        taken step's commit)."""
         prev, self.inflight = self.inflight, None
         sched = self.scheduler
         live = [s for s in prev.seqs if s.status == SeqStatus.RUNNING]
         admissible = sched.waiting and seats(sched.waiting[0]) <= sched.free_seats()   # admission's own rule
         if admissible or not live or len(live) != len(sched.running):
-            return prev
+            return prev, None
         seqs = [s for s in live if s.num_output_tokens < s.request.max_tokens and s.num_tokens < self.max_model_len]
         step = sched.schedule_decode(seqs) if seqs else None
         if step is None:
-            return prev
+            return prev, None
         row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
         fwd = self.runner.execute(step, (prev.tokens, [row[s.seq_id] for s in seqs]))
-        tokens, info = self.runner.sample(fwd.logits, seqs, self.eos_ids)
-        self.leave_on_device(seqs, tokens, info, step)
         self.num_overlapped_steps += 1
-        return prev
+        ahead = UnsampledStep(seqs, fwd.logits, step)
+        if any(s.grammar is not None for s in seqs):
+            return prev, ahead
+        self.sample_ahead(ahead)          # queued right behind the forward
+        return prev, None
+
+    def sample_ahead(self, ahead: UnsampledStep) -> None:
+        tokens, info = self.sample(ahead.logits, ahead.seqs)
+        self.leave_on_device(ahead.seqs, tokens, info, ahead.sched)
+        if all(s.is_finished for s in ahead.seqs):
+            self.inflight = None          # every row ended while it ran: nothing to commit

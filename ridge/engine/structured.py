@@ -122,10 +122,12 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """Disallowed tokens' logits to -inf, in place, for each row whose sequence has a matcher."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
         if not rows:
             return
-        bitmask = self.xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        # pinned on a GPU: the copy is queued on the stream without waiting for the forward it follows
+        bitmask = torch.full((len(seqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                             pin_memory=logits.is_cuda)
         for i in rows:
             seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
