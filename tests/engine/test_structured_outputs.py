@@ -150,7 +150,8 @@ def test_bad_requests_are_refused_by_field_and_lose_nothing(demo, value, message
 def test_gpu_every_output_parses_beside_free_requests_on_the_decode_graphs():
     """On the GPU (bf16, Triton kernels, decode graphs): XGrammar's mask applied on the device to the
     sampled rows, free requests decoding beside them (their tokens against a batch of other sizes are
-    the CPU test's: bf16 kernels at other batch sizes may break a near-tie)."""
+    the CPU test's: bf16 kernels at other batch sizes may break a near-tie), on the overlapped path,
+    whose greedy constrained outputs equal synchronous steps' at the same batch."""
     with LLM(DEMO, show_progress=False, dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=512) as llm:
         free = SamplingParams(max_tokens=16, temperature=0)
         kinds = ["json", "regex", "choice", "grammar"]
@@ -160,3 +161,10 @@ def test_gpu_every_output_parses_beside_free_requests_on_the_decode_graphs():
         for kind, o in zip(kinds, outs[2:]):
             assert o.outputs[0].finish_reason == "stop"
             check(kind, o.outputs[0].text)
+        assert llm.engine.stats().num_overlapped_steps > 0     # constrained rows on the overlapped path
+        greedy = constrained("json", temperature=0)
+        overlapped = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    with LLM(DEMO, show_progress=False, dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=512,
+             async_scheduling=False) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in overlapped]
