@@ -6,7 +6,8 @@ import pytest
 import torch
 import triton
 
-from ridge.kernels.moe_gemm import GroupedTiles, SmallTiles, fused_moe_grouped, fused_moe_ref, fused_moe_small
+from ridge.kernels.moe_gemm import (SMALL_MAX_TOKENS, GroupedTiles, SmallTiles, fused_moe_grouped, fused_moe_ref,
+                                    fused_moe_small)
 from ridge.kernels.moe_route import align_by_expert, align_by_expert_ref, max_blocks, route_topk, route_topk_ref
 
 interpret = pytest.mark.skipif(not triton.knobs.runtime.interpret, reason="Triton kernels on a CPU need TRITON_INTERPRET=1")
@@ -72,10 +73,13 @@ def test_expert_kernels_match_reference(T, E, k, kind, dtype):
     weights = torch.rand(T, k, generator=g)
     ref = fused_moe_ref(x, w13, w2, weights, experts).float()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 32, 4, 1),) * 2)
-    torch.testing.assert_close(small.float(), ref, **tol)
+    # tiles 32 wide: two N tiles in every GEMM (gate/up's second a ragged 16 of 32) and two or three K
+    # tiles (down's last ragged at k = 2): few programs, each running the same code as at any tile size
+    if T <= SMALL_MAX_TOKENS:       # the small path serves only these; a program is one pair / token
+        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 32, 4, 1), SmallTiles(32, 64, 4, 1)))
+        torch.testing.assert_close(small.float(), ref, **tol)
     for bm, fuse_sum in ((16, True), (32, True), (16, False)):
-        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 16, 32, 4, 1),) * 2, fuse_sum)
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, 32, 4, 1),) * 2, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)
 
 
@@ -94,9 +98,11 @@ def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
     assert w13.q.dtype == torch.float8_e4m3fn and w13.scale.shape == (E, 3, 2)
     experts, weights = _loads(T, E, k, "uniform", g), torch.rand(T, k, generator=g)
     ref = fused_moe_ref(x, w13, w2, weights, experts).float()
-    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 32, 4, 1),) * 2)
+    # 64 x 64 tiles: three N tiles (the last ragged) and three or five K tiles (the last ragged) in each
+    # GEMM, two K tiles a scale block, and up tiles whose rows straddle two scale blocks
+    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1),) * 2)
     torch.testing.assert_close(small.float(), ref, atol=2e-2, rtol=2e-2)
-    grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 16, 32, 4, 1),) * 2)
+    grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 64, 64, 4, 1),) * 2)
     torch.testing.assert_close(grouped.float(), ref, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="divides 128"):
         fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 256, 4, 1),) * 2)
@@ -115,7 +121,7 @@ def _int4_fp32(w):
 @pytest.mark.parametrize("T,k", [(3, 2), (24, 2)])
 def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     """INT4 experts (codes packed along K, a scale and zero point per 128 inputs): K of gate/up 160
-    (a short last group), I = 72 (down's K one short group; 2I = 144 ragged against the 32-row tiles);
+    (a short last group), I = 72 (down's K one short group; 2I = 144 ragged against the 64-row tiles);
     uniform load, one expert taking every token, experts with none."""
     from ridge.kernels.moe_gemm import Int4Experts, dequantize_experts
     from ridge.layers.quant.int4.experts import quantize_experts_int4
@@ -132,22 +138,24 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     assert torch.equal(ref, fused_moe_ref(x, dequantize_experts(w13), dequantize_experts(w2), weights, experts).float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     if T <= 16:          # the small path serves only steps of <= SMALL_MAX_TOKENS (16) tokens
-        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 32, 4, 1),) * 2)
+        # 64 x 64 tiles: gate/up two N tiles (the second 8 of 64) and three K tiles (groups 0, 0, 1, the
+        # last half a tile); down three N tiles (the last ragged) and three K tiles of 32 (the last 8 wide)
+        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1),) * 2)
         # the small path scales each group's fp32 sums (ridge/kernels/moe_int4.py) instead of rounding
         # every dequantized weight to the activation dtype: in bf16 it is held to the unrounded dequantized
         # MoE in fp32, no farther from it than twice the reference (whose rounded weights put it ~1 ulp off)
         # (gate/up with 128-wide K tiles runs on tensor cores: checked too, its second tile a short one)
-        small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(32, 128, 4, 1), SmallTiles(32, 32, 4, 1)))
+        small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 128, 4, 1), SmallTiles(64, 64, 4, 1)))
         exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
         for got in (small, small_mma):
             if dtype == torch.float32:
                 torch.testing.assert_close(got.float(), ref, **tol)
             else:
                 assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
-    # the grouped path: the generic tile loads (32-wide K) and the nibble planes (one 128-wide group a
-    # K step, each weight rounded as the reference's), both held to the reference
-    for bm, bk, fuse_sum in ((16, 32, True), (32, 32, False), (16, 128, True), (32, 128, False)):
-        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 32, bk, 4, 1),) * 2, fuse_sum)
+    # the grouped path: the generic tile loads (64-wide K: two tiles a group) and the nibble planes (one
+    # 128-wide group a K step, each weight rounded as the reference's), both held to the reference
+    for bm, bk, fuse_sum in ((16, 64, True), (32, 64, False), (16, 128, True), (32, 128, False)):
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 64, bk, 4, 1),) * 2, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)
     with pytest.raises(ValueError, match="Int4Experts need tiles whose K width divides 128"):
         fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 32, 256, 4, 1),) * 2)
