@@ -122,10 +122,11 @@ def test_rms_norm_fp8_in_place_residual_and_bad_input():
 @interpreted
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("inter", [64, 200, 384])
-@pytest.mark.parametrize("tokens", [1, 3, 17, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_silu_and_mul_fp8_matches_the_references(tokens, inter, dtype):
     """Widths below one group, ragged and whole groups (several programs a token at T = 1); the
-    input a strided view."""
+    input a strided view. (A program is one token's BLOCK: below 128 tokens every width here gets
+    the same BLOCK, so more tokens would only add programs.)"""
     x = gate_up(tokens, inter, dtype, seed=tokens + inter, strided=True)
     got = silu_and_mul_fp8(x)
     assert_same_quantization(got, quantize_act_fp8_ref(silu_and_mul(x)), "silu_mul, same arithmetic")
