@@ -73,13 +73,12 @@ def run_kernel(x, qw, s, z, G, config=None):
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 33])
 def test_skinny_kernel_matches_reference(M, dtype, split):
-    """N = 72 (4.5 interpreter blocks of 16), K = 384 (6 tiles of 64; split 4 leaves uneven ranges,
-    one of them empty), each M with another group size: 32 and 64 scale per word row, 128 and K
-    per tile."""
+    """N = 72 (2.25 blocks of 32), K = 384 (6 tiles of 64; split 4 leaves uneven ranges, one of them
+    empty), each M with another group size: 32 and 64 scale per word row, 128 and K per tile."""
     G = {1: 128, 3: 32, 16: 384, 17: 64, 33: 128}[M]
     N, K = 72, 384
     x, qw, s, z = make(M, N, K, G, dtype, seed=10 * M + split)
-    y = run_kernel(x, qw, s, z, G, gv.Int4GemvConfig(16, 64, 1, 1, split))
+    y = run_kernel(x, qw, s, z, G, gv.Int4GemvConfig(32, 64, 1, 1, split))
     check(y, x, qw, s, z, G, weight_rounded=G < 64, what=f"M={M} G={G} {dtype} split={split}")
     check(int4_matmul_ref(x, qw, s, z, G), x, qw, s, z, G, False, "reference")
 
@@ -139,7 +138,7 @@ def test_short_last_group(M, K, G, split):
 @interpreted
 def test_split_k_is_deterministic_and_leaves_its_counters_zeroed():
     x, qw, s, z = make(5, 40, 512, 128, BF16, seed=5)
-    cfg = gv.Int4GemvConfig(16, 64, 1, 1, 3)
+    cfg = gv.Int4GemvConfig(32, 64, 1, 1, 3)         # two N tiles, the second 8 wide
     a = run_kernel(x, qw, s, z, 128, cfg)
     b = run_kernel(x, qw, s, z, 128, cfg)
     assert torch.equal(a, b)
