@@ -105,11 +105,11 @@ def check_fused(q, k, v, positions, slots, caches, rope, what):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("tokens", [1, 19])
 def test_fused_matches_separate_kernels_and_reference(tokens, heads, kv_heads, head_dim):
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
     g = torch.Generator().manual_seed(tokens * head_dim + heads)
-    pad = (3, 17, 36) if tokens > 1 else ()
+    pad = (3, 11, 18) if tokens > 1 else ()       # a program a token: padding rows among real ones, and last
     qkv, q, k, v, positions, slots, caches = make_inputs(tokens, heads, kv_heads, head_dim, BF16, g,
                                                          num_pages=-(-tokens // PAGE) + 3, max_pos=4096,
                                                          pad_rows=pad)
