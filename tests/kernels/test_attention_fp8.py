@@ -111,7 +111,7 @@ def test_write_kv_ref_round_trips():
 
 
 # ---------------------------------------------------------------------------- kernels (interpreter)
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (2, 2)])
 def test_decode_fp8(heads, kv_heads):
     check_fp8([1] * 5, [1, 16, 45, 100, 129], heads, kv_heads, 64, decode_attention)
 
@@ -133,7 +133,7 @@ def test_decode_fp8_head_dim_128_page_32():
     check_fp8([1] * 3, [31, 33, 90], 4, 1, 128, decode_attention, page=32)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (2, 2)])
 def test_prefill_fp8_mixed_batch(heads, kv_heads):
     # prefix-cache hits behind chunks (page-aligned and not), plain prefills, decode rows
     check_fp8([1, 40, 1, 7, 20, 16], [17, 100, 1, 30, 20, 48], heads, kv_heads, 64, prefill_attention)

@@ -101,7 +101,9 @@ def check(q_lens, ctx_lens, heads, kv_heads, head_dim, fn, page=16, window=None,
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-GQA = [(4, 4), (8, 2), (8, 1)]  # 1:1, 4:1, 8:1 (MQA)
+# 1:1, 4:1, 8:1 (MQA). Prefill runs a program per query head and decode one per kv head, whatever the
+# group: 1:1 at two heads runs the paths four did (a kv head past the first included) at half the programs
+GQA = [(2, 2), (8, 2), (8, 1)]
 
 
 # ---------------------------------------------------------------------------- prefill (interpreter)
@@ -112,13 +114,13 @@ def test_prefill_causal_varlen(heads, kv_heads, head_dim):
     check(lens, lens, heads, kv_heads, head_dim, prefill_attention)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2)])
 def test_prefill_chunked_with_prefix(heads, kv_heads):
     # chunks behind cached prefixes: page-aligned, unaligned, and a chunk longer than BLOCK_M
     check([20, 33, 16, 70], [50, 113, 32, 75], heads, kv_heads, 64, prefill_attention)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (2, 2)])
 def test_prefill_mixed_batch(heads, kv_heads):
     # decode rows (q_len 1, some with long contexts) next to prefill chunks
     check([1, 40, 1, 7, 1], [17, 100, 1, 30, 96], heads, kv_heads, 64, prefill_attention)
