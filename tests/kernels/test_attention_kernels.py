@@ -192,12 +192,13 @@ def test_decode_kernel_takes_verify_steps(heads, kv_heads):
     """A speculative verify step: each sequence's last few positions (k + 1 queries, fewer where a
     sequence drafted less, 0 for an idle slot), causal among themselves, packed with the group's
     heads into one program's rows; split over the context or not."""
+    from ridge.kernels.decode_attention import choose_num_splits
     q_lens, lens = [6, 3, 0, 6, 1], [6, 70, 9, 133, 40]
+    assert choose_num_splits(len(lens), kv_heads, max(lens), CPU) == 3    # what check's call splits in
     check(q_lens, lens, heads, kv_heads, 64, decode_attention)
     q, kc, vc, meta, k_new, v_new = make_batch(q_lens, lens, heads, kv_heads, 64, seed=3)
-    for splits in (1, 3):
-        out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=splits)
-        torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125), atol=1e-4, rtol=1e-4)
+    out = run_poisoned(decode_attention, q, k_new, v_new, kc, vc, meta, 0.125, num_splits=1)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, 0.125), atol=1e-4, rtol=1e-4)
 
 
 def test_decode_verify_step_with_a_sliding_window_and_its_limits():
