@@ -1,5 +1,7 @@
 """The padded static-buffer decode path (what CUDA graphs replay), run eagerly on the CPU through
-the Triton interpreter: bucket padding, empty rows and slot -1 must change no output."""
+the Triton interpreter: bucket padding, empty rows and slot -1 must change no output. The model has
+one decoder layer: every token costs interpreted kernel programs in each layer, and what these tests
+check (buckets, padding, overlap, aborts, late arrivals) is the same in every layer."""
 import dataclasses
 
 import pytest
@@ -17,7 +19,7 @@ def test_batch_buckets():
 
 @pytest.mark.slow
 def test_static_decode_path_matches_reference(checkpoints):
-    path = checkpoints("llama")
+    path = checkpoints("llama-1layer")
     prompts = [[5, 9, 13], [7] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11], [40] * 33, [8, 8]]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=9, ignore_eos=True)] * 2 + \
@@ -40,7 +42,7 @@ def test_overlapped_decode_matches_synchronous(checkpoints):
     """Launching each decode step before the previous step's ids are read back (async
     scheduling) changes no output: greedy and seeded sampling, min_tokens, n > 1, sequences
     ended by length, by max_model_len, and by a stop token while the next step is in flight."""
-    path = checkpoints("llama")
+    path = checkpoints("llama-1layer")
     # every token is a Triton-interpreter launch per layer, so the prompts are short: two pages at most
     llms = {mode: LLM(path, device="cpu", show_progress=False, max_model_len=32, max_num_seqs=6,
                       attention_backend="triton", async_scheduling=mode) for mode in (False, True)}
@@ -69,7 +71,7 @@ def test_overlapped_decode_matches_synchronous(checkpoints):
 def test_overlapped_decode_abort_and_late_arrival(checkpoints):
     """An abort while a step is in flight and a request arriving mid-decode leave the other
     requests' outputs as in synchronous mode and return every page."""
-    path = checkpoints("llama")
+    path = checkpoints("llama-1layer")
     results = {}
     for mode in (False, True):
         llm = LLM(path, device="cpu", show_progress=False, max_model_len=64, max_num_seqs=4,
@@ -100,7 +102,7 @@ def test_overlap_engages_with_logprobs_and_full_seats(checkpoints):
     """Requests asking for logprobs overlap too (the logprob tensors ride with the ids), with the
     same tokens and logprobs as synchronous mode; a request waiting for a seat does not stop the
     running ones from overlapping. stats() reports the fraction of decode steps overlapped."""
-    path = checkpoints("llama")
+    path = checkpoints("llama-1layer")
     runs = {}
     for mode in (False, True):
         llm = LLM(path, device="cpu", show_progress=False, max_model_len=48, max_num_seqs=2,
