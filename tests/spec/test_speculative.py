@@ -105,18 +105,24 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton kernels run on a CPU only under TRITON_INTERPRET=1")
 @pytest.mark.slow
-def test_verify_steps_replay_the_padded_static_path(pair):
+def test_verify_steps_replay_the_padded_static_path(checkpoints):
     """With the Triton backend, verify steps run on the verify graphs' static buffers (the
-    interpreter on a CPU), every sequence padded to k + 1 tokens: still plain decoding's tokens."""
-    target, _ = pair
+    interpreter on a CPU), every sequence padded to k + 1 tokens: still plain decoding's tokens.
+    Each token is interpreted kernel programs in every layer, so the target has one decoder layer
+    and the prompts are few and short: three sequences (batch bucket 4, a padding row), two whose
+    greedy continuations repeat themselves (prompt lookup's drafts are accepted, some k long, some
+    shorter; the first one's verify steps pass 32 keys, so two of the 3 splits hold keys to merge)
+    and one without drafts in the first verify steps (its rows padding but the first)."""
+    target = checkpoints("llama-1layer")
+    prompts = [repetitive(3, 28), repetitive(1, 14), prompt_of(3, 3)]
     short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = tokens(llm(target).generate(PROMPTS, short, use_tqdm=False))
+    want = tokens(llm(target).generate(prompts, short, use_tqdm=False))
     spec = llm(target, attention_backend="triton",
                speculative_config={**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 8})
     graphs, used = spec.engine.runner.verify_graphs, []
     run = graphs.run
     graphs.run = lambda step, *a: used.append(len(step.seq_lens)) or run(step, *a)
-    outs = spec.generate(PROMPTS, short, use_tqdm=False)
+    outs = spec.generate(prompts, short, use_tqdm=False)
     assert tokens(outs) == want and used and graphs.queries == 4
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
