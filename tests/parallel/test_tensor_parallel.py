@@ -79,8 +79,9 @@ def test_speculative_drafts_run_on_both_ranks(checkpoints):
 def test_static_decode_and_overlapped_steps_under_tensor_parallel(checkpoints):
     """The Triton backend's padded decode path (what CUDA graphs replay) through the interpreter,
     async scheduling on: overlapped decode steps take their input ids from rank 0's device by
-    broadcast."""
-    path = checkpoints("llama")
+    broadcast. One decoder layer: each token is interpreted kernel programs in every layer on
+    every rank, and the broadcast ids feed the first layer."""
+    path = checkpoints("llama-1layer")
     prompts = [[5, 9, 13], [7] * 20, [8, 8]]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=7, ignore_eos=True),
