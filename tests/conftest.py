@@ -44,6 +44,7 @@ ARCH_OVERRIDES = {
     "qwen3moe": {"norm_topk_prob": True, "num_experts": 16, "num_experts_per_tok": 4},
     "qwen3moe-dense0": {"mlp_only_layers": [0]},
     "deepseekv2": {},                             # V2-Lite's layout: q_proj, greedy softmax routing
+    "deepseekv2-1layer": {"num_hidden_layers": 1},  # its dense layer alone: the latent cache's interpreted tests
     "deepseekv2-grouped": {"q_lora_rank": 48, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
                            "routed_scaling_factor": 1.5},
     "deepseekv3": {},                             # sigmoid + score bias, groups by top-2 sums, interleaved rope
