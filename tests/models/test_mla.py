@@ -128,14 +128,17 @@ def test_static_decode_path_with_the_kernels_matches_the_reference(checkpoints):
 @interpret
 def test_speculative_verify_steps_over_the_latent_cache(checkpoints):
     """n-gram speculation with the Triton backend: verify steps (several tokens a sequence) run
-    MLA's expanded form eagerly, so the tokens are plain decoding's."""
-    prompts = [prompt_of(8, salt=3) * 3, prompt_of(30, salt=4)]      # repeats give the n-gram drafts
+    MLA's expanded form eagerly, so the tokens are plain decoding's. One decoder layer, as above;
+    on it, these two prompts' continuations repeat themselves: 4 drafts, 5 of their tokens accepted."""
+    prompts = [prompt_of(8, salt=6) * 3, prompt_of(21, salt=5)]      # repeats give the n-gram drafts
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in _llm(checkpoints, "deepseekv2").generate(prompts, greedy, use_tqdm=False)]
-    spec = _llm(checkpoints, "deepseekv2", attention_backend="triton",
+    want = [o.outputs[0].token_ids for o in _llm(checkpoints, "deepseekv2-1layer").generate(prompts, greedy,
+                                                                                           use_tqdm=False)]
+    spec = _llm(checkpoints, "deepseekv2-1layer", attention_backend="triton",
                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert spec.engine.runner.verify_graphs is None
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == want
+    assert spec.engine.stats().spec_num_drafts > 0                   # verify steps ran
 
 
 def test_deepseek_v3_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
