@@ -99,8 +99,10 @@ def test_fused_fp8_producers_give_the_unfused_tokens(checkpoints, monkeypatch):
     """Prefill batches (61 and 5 rows) run the FP8 kernel, decode batches (4 and 1 rows) bf16. Fused:
     each FP8 forward runs the two norms and SiLU-and-mul quantizing (no bf16 batch does), and the
     separate quantization pass runs only for o_proj (whose producer is attention); unfused (the
-    layers answer takes_quantized_input with no): four passes a layer. Greedy tokens are the same."""
-    llm = LLM(checkpoints("llama"), device="cpu", dtype="bfloat16", show_progress=False, max_model_len=64,
+    layers answer takes_quantized_input with no): four passes a layer. Greedy tokens are the same.
+    One decoder layer: its input norm has no residual, its second norm has one (both of the norm's
+    fused forms), and every kernel program is interpreted."""
+    llm = LLM(checkpoints("llama-1layer"), device="cpu", dtype="bfloat16", show_progress=False, max_model_len=64,
               quantization="fp8", enable_prefix_caching=False)      # both runs prefill every prompt token
     assert dispatch_by_hand(llm, fp8_from=5) == 4 * llm.engine.runner.model_cfg.num_layers
     rows = {"norm": [], "silu": [], "separate": [], "bf16": 0}
