@@ -37,16 +37,23 @@ PROMPTS = [repetitive(i) for i in range(3)] + [prompt_of(21, 5), prompt_of(3, 6)
 
 
 def llm(model, **kw):
-    """An engine; with speculation, its step clock always lets drafts run and, unless the config
-    sets disable_by_batch_size, no batch size turns them off: whether they pay on this machine (in
-    time, or by the batch cutoff from its measured ceilings) is the clock's and
+    """An engine; with speculation, drafts run at their model cost (always_draft) and, unless the
+    config sets disable_by_batch_size, no batch size turns them off: whether they pay on this
+    machine (in time, or by the batch cutoff from its measured ceilings) is the clock's and
     memory_bound_batch's own test, the rest of this file checks what they do."""
     engine_llm = LLM(model, device="cpu", show_progress=False, max_model_len=256, **kw)
     if engine_llm.engine.speculator is not None:
-        engine_llm.engine.speculator.clock.pays = lambda batch: True
+        always_draft(engine_llm)
         if "disable_by_batch_size" not in (kw.get("speculative_config") or {}):
             engine_llm.engine.speculator.cutoff = engine_llm.engine.cfg.max_num_seqs
     return engine_llm
+
+
+def always_draft(engine_llm):
+    """Drafts at every step and batch size, k set by acceptance at the model's OVERHEAD (not by
+    what verify steps measure on this machine)."""
+    clock = engine_llm.engine.speculator.clock
+    clock.pays, clock.overhead = (lambda batch: True), (lambda batch, draft_cost=0.0: None)
 
 
 def tokens(outs):
@@ -292,7 +299,7 @@ def test_adaptation_pauses_failing_drafts_and_batch_cutoff(demo_plain):
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     out = spec.generate([PROMPTS[3]], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == demo_plain.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert out.metrics.num_accepted_tokens == 0 and 0 < out.metrics.num_drafts < 10     # paused, then retried
+    assert out.metrics.num_accepted_tokens == 0 and 3 < out.metrics.num_drafts < 10     # paused, then retried
 
     capped = llm(DEMO, speculative_config={**NGRAM, "disable_by_batch_size": 1})
     seeded = SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
@@ -362,7 +369,7 @@ def test_gpu_greedy_follows_plain_decoding(proposer):
     kw = dict(dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=1024)
     want = tokens(LLM(DEMO, show_progress=False, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
     spec = LLM(DEMO, show_progress=False, speculative_config=config_of(proposer, DRAFT), **kw)
-    spec.engine.speculator.clock.pays = lambda batch: True     # the demo pair is launch-bound: keep drafting
+    always_draft(spec)                 # the demo pair is launch-bound: keep drafting
     outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     for a, b in zip(tokens(outs), want):
         assert a[:8] == b[:8], (a, b)
@@ -400,9 +407,12 @@ class _ShiftedClock:
 
 
 def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain, monkeypatch):
-    """All drafts are accepted, but proposing takes longer than the tokens it saves: the step clock
-    turns speculation off at that batch size (probing again, PROBE_STEPS steps every PROBE steps)."""
+    """All drafts are accepted, but proposing takes longer than the tokens it saves: once the clock
+    has timed a verify step against plain ones, the sequence pauses its drafts, twice as long at
+    each retry, and its tokens stay plain decoding's."""
     import ridge.engine.spec.speculator as engine_module     # where the engine's steps are timed
+    from ridge.engine.spec.clock import PROBE_STEPS
+    from ridge.engine.spec.speculator import PAUSE
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     want = demo_plain.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
     spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=256, speculative_config=NGRAM)
@@ -413,7 +423,10 @@ def test_drafts_that_cost_more_time_than_they_save_stop(demo_plain, monkeypatch)
     spec.engine.speculator.proposer = Slow({tuple(PROMPTS[3]): want}, clock)
     out = spec.generate([PROMPTS[3]], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
-    # a first run of PROBE_STEPS drafting steps, then plain steps but for one probe run (cut by max_tokens)
-    from ridge.engine.spec.clock import PROBE_STEPS
-    assert PROBE_STEPS <= out.metrics.num_drafts <= 2 * PROBE_STEPS
+    # PROBE_STEPS plain steps timed first; a verify step (at the model's OVERHEAD until one is timed);
+    # timed, it pauses the sequence PAUSE tokens; a retry, then 2 * PAUSE, which ends at the 63rd
+    # token (1 + PROBE_STEPS + 5 + PAUSE + 5 + 2 * PAUSE), where one token is left: no third verify
+    assert 1 + PROBE_STEPS + 5 + PAUSE + 5 + 2 * PAUSE == 63
+    assert out.metrics.num_drafts == 2
+    assert spec.engine.speculator.clock.overhead(1) > 100
     assert out.metrics.num_accepted_tokens == 4 * out.metrics.num_drafts

@@ -7,7 +7,7 @@ context around the step) and it calls down only: into the proposers and the runn
                   on a runner and page pool of its own)
   rejection.py    exact rejection sampling in torch: the target's distribution per position, the
                   accept / resample rule, the draws of a draft model
-  clock.py        the step clock: whether drafting pays at a batch size, from the timed steps
+  clock.py        the step clock: a verify step's cost in plain decode steps, from the timed steps
   metrics.py      the counters the server and `ridge bench` report
 
 The verify forward is the runner's own (a scheduled item with drafts gets num_draft + 1 logits

@@ -1,127 +1,112 @@
-"""The step clock: whether speculating pays at a batch size, judged by the time per emitted token of
-the engine's own decode steps, with drafts and without.
+"""The step clock: what a verify step costs against a plain decode step on this device, measured
+from the engine's own steps, by batch size.
 
-The cost model (memory_bound_batch, ridge/engine/spec/speculator.py) does not see host work: a
-small model whose decode step is a fraction of a millisecond is bound by launches and the host,
-where drafting (a draft model's steps, each read back) and verifying cost more than the tokens
-they save. So the engine's decode steps are timed (seconds per emitted token, by batch size, with
-and without drafts) and a batch size whose speculating steps are slower per token than plain
-ones stops speculating; a run of PROBE_STEPS steps the other way re-times it, every PROBE steps
-or more (as many as keep the probes under PROBE_COST of the time), so a change (longer contexts,
-better drafts) is noticed (a run, not one step: a verify step emits 1 to k + 1 tokens).
+Whether drafts pay is acceptance times cost. A sequence whose drafts are accepted with probability
+alpha emits expected_tokens(alpha, k) tokens a verify step (speculator.py keeps alpha per
+sequence), and a verify step costs `ratio` plain decode steps: the target over k + 1 rows a
+sequence, the proposer's host work, the read-back of the target's choices and their commit, none
+of which a plain step has (its host work overlaps the GPU's; overlapped decode). The cost model
+(memory_bound_batch) does not see the host: a small model whose decode step is a fraction of a
+millisecond is bound by launches and the host, where a verify step costs several plain ones, and
+only the device's own steps say how many. So the engine's decode steps are timed, seconds a step
+by batch size (powers of two) with drafts and without, and the speculator picks each sequence's k
+(or a pause) from its acceptance against the measured ratio.
+
+Timing seconds per emitted token of each way instead mixes the two: a run of verify steps over text
+the proposer cannot predict reads as drafting being slow everywhere, and turns drafts off for the
+text they predict well too (suffix decoding's agent turns: a sequence that matches a file it saw
+drafts 16 tokens and has 15 accepted, and the next one matches nothing).
+
+Plain steps are timed whenever they run (a sequence pauses its drafts, a proposer finds nothing);
+a batch size whose sequences draft at every step runs a probe of PROBE_STEPS plain steps first and
+then every PROBE verify steps, so the ratio follows the context's growth. A probe's cost is at
+most PROBE_STEPS * (1 - 1/gain) steps of every PROBE + PROBE_STEPS (about 1% at gain 2).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
-PROBE = 32            # steps the losing way (speculating or not, per batch size) waits to be re-timed,
-MAX_PROBE = 1024      # doubling up to this each time a probe finds it still losing
-PROBE_STEPS = 4       # steps a way is timed over (its first timing, a probe): one verify step emits 1..k + 1
-PROBE_COST = 0.02     # the most of the time a probe of the losing way may cost, over the steps between probes
-MARGIN = 0.03         # speculating steps may be this much slower per token before they stop
-CLOCK_DECAY = 0.8     # weight of the timing history per observed step
+PROBE = 256           # verify steps at a batch size between timings of its plain steps
+PROBE_STEPS = 4       # plain steps a probe times
+WINDOW = 16           # a way's last steps its figure is the median of
 
 
 @dataclass
-class _Run:
-    """A run of PROBE_STEPS steps timing one way (speculated or not) at one batch size."""
-    speculated: bool
-    steps_left: int = PROBE_STEPS
-    tokens: int = 0
-    seconds: float = 0.0
-    other_steps: int = 0      # steps of the other way while this run waited
+class _Way:
+    """A step of one way (with drafts or without) at one batch size: the median seconds of its last
+    WINDOW steps (a collection pause or a late compile is one slow step, and a way that then runs
+    seldom, the losing one, would carry a mean's memory of it for long), and for verify steps the
+    mean drafts a speculating sequence took (a draft model's cost grows with them)."""
+    steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    draft_counts: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def add(self, seconds: float, drafts: float) -> None:
+        self.steps.append(seconds)
+        self.draft_counts.append(drafts)
+
+    seconds = property(lambda self: statistics.median(self.steps))
+    drafts = property(lambda self: statistics.fmean(self.draft_counts))
 
 
+@dataclass
 class StepClock:
-    """Seconds per emitted token of pure decode steps, by batch size (powers of two) and by whether
-    they verified drafts; decides whether speculating pays at a batch size.
-
-    A way is timed over a run of PROBE_STEPS steps (its first timing, and each probe of the losing
-    way), and the run's own seconds over its own tokens replace that way's estimate: a verify step
-    emits anywhere from 1 to k + 1 tokens, so one step decides nothing, and the losing way's history
-    is `interval` steps old by the time it is probed. The winning way, timed every step it runs,
-    keeps a decayed average."""
-
-    def __init__(self):
-        self.per_token: dict[tuple[int, bool], float] = {}
-        self.since: dict[tuple[int, bool], int] = {}     # steps since each way last ran
-        self.interval: dict[int, int] = {}                # steps between probes of the losing way
-        self.probe: dict[int, _Run] = {}                  # bucket -> the run timing one way now
-        self.pending: tuple[str, float] | None = None     # decode time not yet matched with tokens
+    """Seconds a decode step by batch size, with drafts and without; `pays` is False while a probe
+    times plain steps, `overhead` is a verify step's cost over a plain one's less its drafting."""
+    ways: dict = field(default_factory=dict)            # (bucket, speculated) -> _Way
+    since_plain: dict = field(default_factory=dict)     # bucket -> verify steps since a plain one
+    probe: dict = field(default_factory=dict)           # bucket -> plain steps its probe still takes
+    pending: tuple | None = None                        # (kind, seconds, steps) not yet matched with tokens
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
 
-    def _spec_wins(self, b: int) -> bool | None:
-        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
-        return None if spec is None or plain is None else spec <= plain * (1 + MARGIN)
-
-    def time_step(self, kind: str | None, batch: int, tokens: int, seconds: float) -> None:
+    def time_step(self, kind: str | None, batch: int, tokens: int, seconds: float, drafts: float = 0.0) -> None:
         """An engine step of `kind` ("plain" or "verify" decode; None for any other, e.g. a prefill)
-        that committed `tokens` in `seconds`. A step whose ids stay on the device commits nothing
-        yet: its time goes with the step that commits its tokens, if that step is of the same kind."""
+        that committed `tokens` in `seconds`, its speculating sequences `drafts` drafts each on
+        average. A step whose ids stay on the device commits nothing yet: it is counted with the
+        step that commits them, if that step is of the same kind (two launches, two steps' time)."""
         pending = self.pending
         if kind is None or (pending is not None and pending[0] != kind):
             self.pending = None                             # a prefill, or the kind changed: start over
             if kind is None:
                 return
-        pending = self.pending or (kind, 0.0)
-        seconds += pending[1]
+        _, before, steps = self.pending or (kind, 0.0, 0)
         if tokens:
-            self.observe(batch, kind == "verify", tokens, seconds)
+            self.observe(batch, kind == "verify", (before + seconds) / (steps + 1), drafts)
             self.pending = None
         else:
-            self.pending = (kind, seconds)
+            self.pending = (kind, before + seconds, steps + 1)
 
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, speculated: bool, seconds: float, drafts: float = 0.0) -> None:
+        """One decode step's seconds at this batch size."""
         b = self.bucket(batch)
-        self.since[(b, speculated)] = 0
-        self.since[(b, not speculated)] = self.since.get((b, not speculated), 0) + 1
-        run = self.probe.get(b)
-        if run is not None and run.speculated == speculated:
-            run.steps_left, run.tokens, run.seconds = run.steps_left - 1, run.tokens + tokens, run.seconds + seconds
-            if run.steps_left == 0:                              # the run is over: its own figure
-                del self.probe[b]
-                before = self._spec_wins(b)
-                self.per_token[(b, speculated)] = run.seconds / max(run.tokens, 1)
-                after = self._spec_wins(b)
-                if after is not None:
-                    # it re-timed the losing way and that lost again: probe half as often
-                    lost = before is not None and before != speculated and after == before
-                    grown = min(2 * self.interval.get(b, PROBE), MAX_PROBE) if lost else PROBE
-                    self.interval[b] = max(grown, self.affordable_interval(b))
+        self.ways.setdefault((b, speculated), _Way()).add(seconds, drafts)
+        if speculated:
+            self.since_plain[b] = self.since_plain.get(b, 0) + 1
             return
-        if run is not None:          # the other way ran (e.g. no sequence had drafts): give the run up
-            run.other_steps += 1     # after a while, so a probe nothing can finish does not stay open
-            if run.other_steps > 2 * PROBE_STEPS:
+        self.since_plain[b] = 0
+        if b in self.probe:
+            self.probe[b] -= 1
+            if self.probe[b] == 0:
                 del self.probe[b]
-        x, old = seconds / max(tokens, 1), self.per_token.get((b, speculated))
-        self.per_token[(b, speculated)] = x if old is None else CLOCK_DECAY * old + (1 - CLOCK_DECAY) * x
-
-    def affordable_interval(self, b: int) -> int:
-        """Steps between probes of the losing way that keep a probe's cost under PROBE_COST: a run of
-        PROBE_STEPS losing steps takes (1 - winner/loser seconds a token) of its time more than the
-        winner would for the same tokens, against the interval's steps (steps of either way taken as
-        equally long: a memory-bound verify step costs 1.1-1.3 plain ones). A way that loses by 3x
-        is re-timed every ~130 steps, not every 32 (the 70B's 4-step plain probes were ~7% of its steps)."""
-        spec, plain = self.per_token[(b, True)], self.per_token[(b, False)]
-        ratio = min(spec, plain) / max(spec, plain, 1e-12)
-        return min(MAX_PROBE, max(PROBE, math.ceil(PROBE_STEPS * (1 - ratio) / PROBE_COST)))
 
     def pays(self, batch: int) -> bool:
-        """Speculate at this batch size: first a run of each way (drafts first), then while drafts
-        are no slower per token, with a run of the losing way every interval steps to re-time it."""
+        """Whether sequences may draft at this batch size now: not while a probe times plain steps
+        (one starts when plain steps were never timed here, or PROBE verify steps ago)."""
         b = self.bucket(batch)
-        if b in self.probe:
-            return self.probe[b].speculated
-        wins = self._spec_wins(b)
-        if wins is None:
-            way = (b, True) not in self.per_token                # time the way not yet timed
-        elif self.since.get((b, not wins), 0) >= self.interval.get(b, PROBE):
-            way = not wins                                       # the loser has waited: re-time it
-        else:
-            return wins
-        self.probe[b] = _Run(way)
-        return way
+        if b not in self.probe and ((b, False) not in self.ways or self.since_plain.get(b, 0) >= PROBE):
+            self.probe[b] = PROBE_STEPS
+        return b not in self.probe
+
+    def overhead(self, batch: int, draft_cost: float = 0.0) -> float | None:
+        """A verify step's cost in plain decode steps, less one and less the drafting it measured
+        (draft_cost plain steps a draft token): what best_k adds to 1 + draft_cost * k. None until
+        both ways are timed at this batch size."""
+        b = self.bucket(batch)
+        verify, plain = self.ways.get((b, True)), self.ways.get((b, False))
+        if verify is None or plain is None or plain.seconds <= 0:
+            return None
+        return max(0.0, verify.seconds / plain.seconds - 1 - draft_cost * verify.drafts)

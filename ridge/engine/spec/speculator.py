@@ -18,19 +18,19 @@ decode step, i.e. while it is memory-bound (seed 002: the weights are read once 
 the row count). `memory_bound_batch` finds the largest batch for which the model's own cost model
 (`model.cost`, the roofline's) puts a verify step's FLOPs at the measured matmul roof under its
 bytes at the measured bandwidth; above it no sequence speculates (vLLM's `disable_by_batch_size`,
-which overrides it). Below it, the step clock (clock.py) times the engine's decode steps and
-stops drafting at a batch size where they do not pay. Per sequence, the drafts'
-measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted + rejections)
-over a decaying window (used once MIN_TRIALS trials are in) picks the k that maximises the
-expected tokens per unit of verify cost,
-(1 - alpha^(k+1)) / (1 - alpha) over (1 + OVERHEAD + draft_cost * k), and a sequence whose best is
-under one token per plain step pauses for PAUSE tokens (doubling while it keeps failing), then
-tries again.
+which overrides it). Below it, the step clock (clock.py) times the engine's decode steps, with
+drafts and without, and gives a verify step's cost in plain steps on this device. Per sequence,
+the drafts' measured acceptance sets k: the geometric-run estimate alpha = accepted / (accepted +
+rejections) over a decaying window (used once MIN_TRIALS trials are in) picks the k that maximises
+the expected tokens per unit of verify cost,
+(1 - alpha^(k+1)) / (1 - alpha) over (1 + overhead + draft_cost * k) (overhead: the clock's, OVERHEAD
+until it has timed both ways), and a sequence whose best is under one token per plain step pauses
+for PAUSE tokens (doubling while it keeps failing), then tries again.
 
 Determinism. The acceptance state is the sequence's own and the pause is counted in its own
 tokens, so a seeded request speculates the same way alone or in any batch; the batch-size cutoff
 and the step clock would break that, so a seeded request that samples (temperature > 0) is
-exempt from both. Greedy
+exempt from both (its overhead is OVERHEAD). Greedy
 requests give plain decoding's tokens whether they speculate or not.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ridge.layers.cost import StepShape
 from ridge.layers.sampler import info_on_host, logprob_info
 from ridge.runner.model_runner import plain_greedy
 
-OVERHEAD = 0.1        # a verify step's extra cost over a plain decode step (eager chunk vs graph replay)
+OVERHEAD = 0.1        # a verify step's extra cost over a plain decode step until the clock has timed both
 PAUSE = 16            # output tokens a sequence goes without drafts after its drafts stop paying
 MAX_PAUSE = 256
 DECAY = 0.8           # weight of the acceptance history per verify step
@@ -69,6 +69,11 @@ class Acceptance:
     trials: float = 0.0
     resume_at: int = 0          # output length before which the sequence does not speculate
     pause: int = PAUSE
+    retry: bool = False         # a pause is on or just ended: its next step drafts (at k) to re-measure
+
+    def pause_from(self, output_len: int) -> None:
+        """Pause from this output length; the history stays, so a failed retry pauses again, longer."""
+        self.resume_at, self.pause, self.retry = output_len + self.pause, min(2 * self.pause, MAX_PAUSE), True
 
     # None until MIN_TRIALS (decayed) trials: one early rejection must not pause a good proposer
     alpha = property(lambda self: self.accepted / self.trials if self.trials >= MIN_TRIALS else None)
@@ -79,11 +84,12 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def best_k(alpha: float | None, k: int, draft_cost: float) -> int:
-    """The number of drafts that maximises tokens per unit of cost; 0 when none beats plain decoding."""
+def best_k(alpha: float | None, k: int, draft_cost: float, overhead: float = OVERHEAD) -> int:
+    """The number of drafts that maximises tokens per unit of cost (a verify step with j drafts costs
+    1 + overhead + draft_cost * j plain steps); 0 when none beats plain decoding."""
     if alpha is None:
         return k
-    gain = {j: expected_tokens(alpha, j) / (1 + OVERHEAD + draft_cost * j) for j in range(1, k + 1)}
+    gain = {j: expected_tokens(alpha, j) / (1 + overhead + draft_cost * j) for j in range(1, k + 1)}
     j = max(gain, key=gain.get)
     return j if gain[j] > 1 else 0
 
@@ -107,7 +113,8 @@ class Speculator:
         self.k, self.proposer, self.runner, self.cutoff = spec.num_speculative_tokens, proposer, runner, cutoff
         self.max_model_len, self.eos_ids, self.draft_cost = max_model_len, eos_ids, draft_cost
         self.acceptance: dict[int, Acceptance] = {}
-        self.clock = StepClock()                # ridge/engine/spec/clock.py: whether drafting pays now
+        self.clock = StepClock()                # ridge/engine/spec/clock.py: a verify step's cost here
+        self.batch = 1                          # running sequences at the last plan
         self.proposal: Proposal | None = None
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
         self.proposed: set[int] = set()         # sequences the proposer may keep state for
@@ -133,9 +140,19 @@ class Speculator:
         acc = self.acceptance.get(seq.seq_id)
         if acc is not None and seq.num_output_tokens < acc.resume_at:
             return 0
-        k = best_k(acc.alpha if acc is not None else None, self.k, self.draft_cost)
+        k = best_k(acc.alpha if acc is not None else None, self.k, self.draft_cost, self._overhead(seq, batch))
+        if k == 0 and acc is not None:
+            if not acc.retry:         # the costs changed under it (the clock timed a step): pause now
+                acc.pause_from(seq.num_output_tokens)
+                return 0
+            k = self.k                # a pause ended: one retry, whose verify step re-measures both
         return max(0, min(k, seq.request.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))
+
+    def _overhead(self, seq: Sequence, batch: int) -> float:
+        p = seq.request.params
+        measured = None if p.seed is not None and p.temperature > 0 else self.clock.overhead(batch, self.draft_cost)
+        return OVERHEAD if measured is None else measured
 
     def active(self, seqs: list[Sequence]) -> bool:
         """Whether any of these running sequences would get drafts at its next decode step (the
@@ -154,6 +171,7 @@ class Speculator:
         self.proposer.release(gone)
         for s in running:
             s.draft_token_ids = []
+        self.batch = len(running)
         limits = [(s, self._limit(s, len(running))) for s in running]
         seqs, limits = [s for s, lim in limits if lim], [lim for _, lim in limits if lim]
         self.proposal, self.rows = None, {}
@@ -218,11 +236,10 @@ class Speculator:
         acc = self.acceptance.setdefault(seq.seq_id, Acceptance())
         acc.accepted = DECAY * acc.accepted + accepted
         acc.trials = DECAY * acc.trials + accepted + (accepted < drafted)
-        if best_k(acc.alpha, self.k, self.draft_cost) == 0:
-            acc.resume_at = seq.num_output_tokens + drafted + 1 + acc.pause
-            acc.pause = min(2 * acc.pause, MAX_PAUSE)  # the history stays: a failed retry pauses again
+        if best_k(acc.alpha, self.k, self.draft_cost, self._overhead(seq, self.batch)) == 0:
+            acc.pause_from(seq.num_output_tokens + drafted + 1)
         else:
-            acc.pause = PAUSE
+            acc.pause, acc.retry = PAUSE, False
         record(self.counters, seq.request, drafted, accepted)
 
 
@@ -244,25 +261,29 @@ class SpecStep:
     scheduler then schedules with them), or, for a step that commits an overlapped one, decides
     whether the next step drafts (`drafts_next`: the engine then launches no step ahead, drafts need
     its ids). `verify` turns the forward's logits into each drafted sequence's tokens. On leaving, the
-    step's time per token goes to the step clock ("plain" or "verify" decode steps; `kind`)."""
+    step's time goes to the step clock ("plain" or "verify" decode steps; `kind`)."""
 
     def __init__(self, spec: Speculator, scheduler, committer, overlapped: bool):
         self.spec, self.scheduler, self.committer = spec, scheduler, committer
         self.t0, self.tokens0, self.batch = time.perf_counter(), committer.generation_tokens, len(scheduler.running)
         self.kind: str | None = None
-        self.drafts_next = False
+        self.drafts, self.drafts_next = 0.0, False
         if overlapped:
             self.kind, self.drafts_next = "plain", spec.active(scheduler.running)
         else:
             spec.plan(scheduler.running)
+        self.asked = not overlapped and spec.proposal is not None
 
     def __enter__(self) -> "SpecStep":
         return self
 
     def __exit__(self, error, *_) -> None:
         if error is None:
-            self.spec.clock.time_step(self.kind, self.batch, self.committer.generation_tokens - self.tokens0,
-                                      time.perf_counter() - self.t0)
+            # a plain step whose sequences were asked for drafts and got none is not a plain step's
+            # cost (its host work proposed and did not overlap the GPU's), nor a verify step's
+            kind = None if self.kind == "plain" and self.asked else self.kind
+            self.spec.clock.time_step(kind, self.batch, self.committer.generation_tokens - self.tokens0,
+                                      time.perf_counter() - self.t0, self.drafts)
 
     def keeps_drafting(self) -> bool:
         """After a plain decode step: whether a running sequence gets drafts at its next step."""
@@ -274,6 +295,7 @@ class SpecStep:
         self.kind = "verify" if decoding else None
         ends = list(itertools.accumulate(i.num_draft + 1 for i in items))
         spec = [i for i in items if i.num_draft]
+        self.drafts = sum(i.num_draft for i in spec) / len(spec)
         rows = [r for e, i in zip(ends, items) if i.num_draft for r in range(e - i.num_draft - 1, e)]
         tokens, infos = self.spec.verify(spec, logits[self.spec.runner.to_device(rows, torch.int64)])
         return Verified(spec, tokens, infos, [e - 1 for e, i in zip(ends, items) if not i.num_draft])
