@@ -63,13 +63,11 @@ import demo_data  # noqa: E402
 
 VOCAB_SIZE = 8192
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' + eos_token }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+# the bundled models' template (tool calling included): one file, shipped beside each checkpoint
+_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ridge", "assets", "demo-code-12m",
+                         "chat_template.jinja")
+with open(_TEMPLATE) as _f:
+    CHAT_TEMPLATE = _f.read()
 SIZES = {
     "main": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
                  num_key_value_heads=2, intermediate_size=896),

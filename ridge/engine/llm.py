@@ -143,8 +143,12 @@ class LLM:
         self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them."""
+             use_tqdm: bool | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them.
+        `tools` (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}], as
+        vLLM's LLM.chat takes them) go to the chat template, which lists them to the model; assistant
+        messages may carry `tool_calls` and `tool` messages the results. What the model writes is
+        returned as text: hold it to a call with SamplingParams.structured_outputs."""
         self._check_open()
         if self.encoder is None:
             raise ValueError("messages: this checkpoint has no tokenizer")
@@ -153,7 +157,7 @@ class LLM:
                              "(or a list of such lists)")
         conversations = messages if all(isinstance(m, (list, tuple)) for m in messages) else [messages]
         sampling_list(sampling_params, len(conversations))
-        prompts = [self.encoder.chat(conv) for conv in conversations]
+        prompts = [self.encoder.chat(conv, tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

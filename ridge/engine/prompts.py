@@ -25,6 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ridge.engine.chat_messages import check_messages, check_tools, tool_texts
 from ridge.engine.request import ContextLengthError
 
 _SHRINK_FREE_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
@@ -55,22 +56,33 @@ class PromptEncoder:
         backend = self._parsing if parse_special_tokens else self._literal
         return backend.encode_batch([text], add_special_tokens=True)[0].ids
 
-    def chat(self, messages) -> list[int]:
+    def chat(self, messages, tools=None) -> list[int]:
         """The ids of a conversation rendered by the checkpoint's chat template (with the
-        generation prompt). Markup the template writes keeps its special tokens; message content
-        does not: where content holds a special token's text, the render is cut at each
-        message's content and those pieces are encoded literally."""
+        generation prompt; `tools`, OpenAI's function tools, go to the template's `tools`). Markup
+        the template writes keeps its special tokens; message content does not: where content
+        holds a special token's text, the render is cut at each message's content and those
+        pieces are encoded literally. Tools and tool calls holding one are refused."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template; send a plain prompt")
-        messages = check_messages(messages)
-        self.check_length(sum(len(m["content"]) for m in messages), "messages")
-        text = self._render(messages)
+        messages, tools = check_messages(messages), check_tools(tools)
+        extra = tool_texts(messages, tools)
+        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(t) for _, t in extra), "messages")
+        for where, json_text in extra:
+            token = next((s for s in self.special_tokens if s in json_text), None)
+            if token is not None:
+                raise ValueError(f"{where}: holds the special token {token!r}, which only message content may "
+                                 f"carry (as text)")
+        text = self._render(messages, tools)
         self.check_length(len(text), "messages")
         if not any(s in m["content"] for m in messages for s in self.special_tokens):
             return self._parsing.encode_batch([text], add_special_tokens=False)[0].ids
-        # the template's markup between the contents: render once more with a mark for each
-        marks = [uuid.uuid4().hex for _ in messages]
-        markup = re.split("|".join(marks), self._render([{**m, "content": k} for m, k in zip(messages, marks)]))
+        # the template's markup between the contents: render once more with a mark for each (empty
+        # content stays empty: templates test it, `{% if message.content %}`)
+        marked = [(m, uuid.uuid4().hex) for m in messages if m["content"]]
+        marks = {id(m): k for m, k in marked}
+        markup = re.split("|".join(k for _, k in marked),
+                          self._render([{**m, "content": marks.get(id(m), "")} for m in messages], tools))
+        messages = [m for m, _ in marked]
         contents = [m["content"] for m in messages]
         rebuilt = "".join(x for pair in zip(markup, contents + [""]) for x in pair)
         if len(markup) != len(messages) + 1 or rebuilt != text:
@@ -89,9 +101,10 @@ class PromptEncoder:
                                      f"tokens (no token of this tokenizer is longer than "
                                      f"{self.max_chars // self.max_model_len} characters)")
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as e:          # noqa: BLE001 - the template's own checks (jinja raise_exception)
             raise ValueError(f"messages: the chat template rejected the conversation ({type(e).__name__}: {e})") \
                 from None
@@ -121,35 +134,3 @@ def _shrink_free_normalizer(norm) -> bool:
         return True
     pattern = norm.get("pattern") or {}
     return norm["type"] == "Replace" and "String" in pattern and len(norm["content"]) >= len(pattern["String"])
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def check_messages(messages) -> list[dict]:
-    """One conversation checked and put in the form chat templates read: each message a dict with a
-    known role and string content; OpenAI text-part content ([{"type": "text", "text": ...}]) is
-    joined into one string, as the server accepts it."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role', 'content'} messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
-        missing = next((key for key in ("role", "content") if key not in m), None)
-        if missing:
-            raise ValueError(f"messages[{i}]: missing '{missing}'")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
-        content = m["content"]
-        if isinstance(content, (list, tuple)):
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError(f"messages[{i}].content[{j}]: a part must be {{'type': 'text', 'text': "
-                                     f"<string>}}, got {part!r}")
-            content = "".join(part["text"] for part in content)
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: must be a string or a list of text parts, "
-                             f"got {type(content).__name__}")
-        out.append({**m, "content": content})
-    return out

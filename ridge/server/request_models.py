@@ -25,7 +25,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from ridge.engine.prompts import CHAT_ROLES
+from ridge.engine.chat_messages import CHAT_ROLES
 from ridge.engine.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
