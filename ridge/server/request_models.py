@@ -12,124 +12,50 @@ Unknown fields are ignored, as OpenAI-compatible servers do; a field OpenAI defi
 non-default values ridge cannot honour takes only the values it can (`only`), so it is refused,
 never silently ignored. Extra sampling fields that vLLM also takes (top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, prompt_logprobs) are accepted; the openai client sends them
-through extra_body.
+through extra_body. What the models are made of is request_base.py's.
 
 This module evaluates its annotations when each class is made (no `from __future__ import
 annotations`): the limits are values of the function that builds the classes.
 """
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema,
-                      model_validator)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
 from ridge.engine.chat_messages import CHAT_ROLES
 from ridge.engine.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
-
-INT64 = (-(1 << 63), (1 << 63) - 1)
-CONFLICT = "conflicting_parameters"      # the error code of a combination of values that is refused
-UNSUPPORTED = "is not supported by this server"
+from ridge.server.request_base import (NEEDS_STREAM, SET, UNSUPPORTED, Needs, StrictModel, conflict, integer, number,
+                                       only)
 
 
-def _whole_number(value):
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integer(lo: int = INT64[0], hi: int | None = None):
-    """An int64 in [lo, hi]; a whole-number float counts."""
-    return Annotated[int, Field(ge=lo, le=INT64[1] if hi is None else hi), BeforeValidator(_whole_number)]
-
-
-def number(lo: float, hi: float, above: bool = False):
-    return Annotated[float, Field(gt=lo) if above else Field(ge=lo), Field(le=hi)]
-
-
-def only(kind, *allowed, why: str = UNSUPPORTED):
-    """A field of type `kind` that takes only the `allowed` values (what asks for nothing this
-    server lacks); the schema lists them."""
-    def check(value):
-        if value not in allowed:
-            raise PydanticCustomError("unsupported_value", why)
-        return value
-    return Annotated[kind, AfterValidator(check), WithJsonSchema({"enum": list(allowed)})]
-
-
-SET = object()                            # Needs' value for "anything but null"
-
-
-@dataclass(frozen=True)
-class Needs:
-    """A request whose `field` is `value` (SET: anything but null) must set `other` to true.
-    Checked on every request and stated in the schema as an if/then."""
-    field: str
-    value: object
-    other: str
-
-    def applies(self, req) -> bool:
-        v = getattr(req, self.field)
-        return v is not None if self.value is SET else v == self.value
-
-    def schema(self) -> dict:
-        cond = {"not": {"type": "null"}} if self.value is SET else {"const": self.value}
-        return {"if": {"properties": {self.field: cond}, "required": [self.field]},
-                "then": {"properties": {self.other: {"const": True}}, "required": [self.other]}}
-
-    def error(self) -> PydanticCustomError:
-        what = "" if self.value is SET else f"{self.value!r} "
-        return conflict(self.field, f"{what}is only allowed when {self.other} is true")
-
-
-NEEDS_STREAM = Needs("stream_options", SET, "stream")
 # fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
 NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)
 NO_CALL_CHOICE = only(str | dict | None, None, "none", "auto")
 
 
-def conflict(param: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(CONFLICT, f"{param}: {why}")
-
-
-def _needs_schema(schema: dict, cls) -> None:
-    if cls.NEEDS:
-        schema["allOf"] = [r.schema() for r in cls.NEEDS]
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", json_schema_extra=_needs_schema)
-    NEEDS: ClassVar[tuple[Needs, ...]] = ()
-
-    @model_validator(mode="after")
-    def _combinations(self):
-        for rule in type(self).NEEDS:
-            if rule.applies(self) and getattr(self, rule.other) is not True:
-                raise rule.error()
-        return self
-
-
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     schema_: dict | None = Field(None, alias="schema")      # none: any JSON object
     strict: bool | None = None                               # XGrammar holds every schema strictly
     description: str | None = None
 
 
-class TextFormat(_Request):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
     def structured(self) -> dict | None:
         return None
 
 
-class JsonObjectFormat(_Request):
+class JsonObjectFormat(StrictModel):
     type: Literal["json_object"]
 
     def structured(self) -> dict | None:
         return {"json_object": True}
 
 
-class JsonSchemaResponseFormat(_Request):
+class JsonSchemaResponseFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -148,7 +74,7 @@ ResponseFormat = Annotated[Annotated[TextFormat, Tag("type-text")] | Annotated[J
                            | Annotated[JsonSchemaResponseFormat, Tag("type-json_schema")], Discriminator(_format_tag)]
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(StrictModel):
     """vLLM's structured_outputs: one of these kinds (its other fields are ignored, as unknown fields are)."""
     json_: dict | str | None = Field(None, alias="json")       # a JSON schema
     json_object: bool | None = None
@@ -160,7 +86,7 @@ class StructuredOutputs(_Request):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class StructuredFields(_Request):
+class StructuredFields(StrictModel):
     """Constrained output, by OpenAI's field (response_format) or vLLM's (structured_outputs, and the
     guided_* names of vLLM's earlier releases): at most one of them."""
     response_format: ResponseFormat | None = None
@@ -189,16 +115,16 @@ class StructuredFields(_Request):
         return next(((v, k) for k, v in self._constraints().items()), (None, None))
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class TextPart(_Request):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictModel):
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
