@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ridge import settings
 from ridge.engine.sampling_params import MAX_LOGPROBS
+from ridge.server.tool_parsers import PARSERS
 from ridge.settings import setting
 
 
@@ -49,6 +50,13 @@ class ServerConfig:
     limit_concurrency: int | None = setting(None, minimum=1,
                                             help="cap on open connections: a request on one more gets 503",
                                             default_text="no cap")
+    tool_call_parser: str | None = setting(None, choices=tuple(PARSERS),
+                                           help='how tool_choice "auto" reads the calls in a model\'s text: hermes '
+                                                '(calls in tool_call tags: Hermes, Qwen 2.5 and 3, the bundled demo models\' '
+                                                'template), llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS]). '
+                                                'Without one, a request with tools must set tool_choice to "none", '
+                                                '"required" or a named function',
+                                           default_text="none")
     log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 
     def __post_init__(self):
