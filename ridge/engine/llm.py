@@ -143,7 +143,7 @@ class LLM:
         self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, *, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of {"role", "content"} messages) or to each of a list of them.
         `tools` (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}], as
         vLLM's LLM.chat takes them) go to the chat template, which lists them to the model; assistant
