@@ -1,6 +1,8 @@
 """ridge's OpenAI-compatible HTTP server (`ridge serve`).
 
     request_models.py pydantic models of the requests, built for the served model's limits
+    request_tools.py  their tool-calling fields (tools, tool_choice, a history's calls); request_base.py
+                      what both are made of (strict models, bounded numbers, rules over several fields)
     protocol.py       pydantic models of the OpenAI responses
     openapi.py        /openapi.json from those models
     errors.py         the OpenAI error shape, and the mapping of every failure onto a 4xx/5xx
@@ -9,6 +11,8 @@
     openai_serving.py what the endpoints share: engine requests, params, collecting, streaming, usage
     serving_completions.py  /v1/completions (echo, prompt logprobs)
     serving_chat.py   /v1/chat/completions
+    chat_tools.py     tool calls in its answers, whole and streamed; tool_parsers.py reads a model's
+                      own call format (--tool-call-parser)
     metrics.py        Prometheus metrics
     middleware.py     API-key check and the request-body size limit
     app.py            the FastAPI app: routes, error handlers, lifespan

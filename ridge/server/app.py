@@ -45,7 +45,8 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
     def served_models() -> RequestModels:
         """The request models of the served model's limits (the server's caps alone until it loads)."""
         info, limits = client.model, dict(max_logprobs=cfg.max_logprobs, max_stop=cfg.max_stop,
-                                          max_stop_chars=cfg.max_stop_chars, max_prompts=cfg.max_prompts)
+                                          max_stop_chars=cfg.max_stop_chars, max_prompts=cfg.max_prompts,
+                                          auto_tools=cfg.tool_call_parser is not None)
         if info is not None:
             limits.update(max_n=info.max_n, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
         return request_models(RequestLimits(**limits))

@@ -49,8 +49,9 @@ class ServerShutdown(EngineFailure):
 
 @dataclass
 class ChatPrompt:
-    """Messages to render with the checkpoint's chat template (in a tokenizer worker)."""
+    """Messages (and tools) to render with the checkpoint's chat template (in a tokenizer worker)."""
     messages: list[dict]
+    tools: list[dict] | None = None
 
 
 @dataclass
@@ -202,7 +203,7 @@ class EngineClient:
         and a client that leaves while queued takes its work item out of the queue."""
         encoder = self._llm.encoder
         if isinstance(prompt, ChatPrompt):
-            work, text = functools.partial(encoder.chat, prompt.messages), None
+            work, text = functools.partial(encoder.chat, prompt.messages, prompt.tools), None
         else:
             work, text = functools.partial(encoder.encode, prompt, parse_special_tokens), prompt
         try:

@@ -23,9 +23,12 @@ SCHEMA_VALID_REFUSALS = {
     "context_length_exceeded": "the prompt's tokens (plus max_tokens) do not fit in the context, or their KV pages "
                                "in the cache",
     "conflicting_parameters": "values that each pass but not together: min_tokens above max_tokens, best_of "
-                              "other than 1 or n (and the combinations the schema's if/then rules state)",
-    "invalid_structured_output": "a JSON schema, regex or grammar XGrammar cannot compile, or a structured_outputs "
-                                 "object that gives none or several of its kinds",
+                              "other than 1 or n, two tools of one name, a tool_choice naming a function tools "
+                              "lacks, a forced tool call beside another structured output (and the combinations "
+                              "the schema's if/then rules state)",
+    "invalid_structured_output": "a JSON schema, regex or grammar XGrammar cannot compile (a forced tool call's "
+                                 "parameters schemas too), or a structured_outputs object that gives none or "
+                                 "several of its kinds",
 }
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -34,6 +37,7 @@ _EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 # a number whose range has a hole: one statement of it, not one complaint per piece
 _RANGES = {"temperature": "must be 0 (greedy) or in [1e-20, 2]"}

@@ -119,11 +119,12 @@ class OpenAIServing:
         raise APIError(404, f"model: the model {shown!r} does not exist; this server serves {self.cfg.model_name!r}",
                        "model", "model_not_found")
 
-    def params(self, req, max_tokens, logprobs, rename, prompt_logprobs: int | None = None) -> SamplingParams:
-        """The request's SamplingParams. `rename` (the engine's parameter names to this endpoint's) gains
-        the field a structured output came from, for the errors of building and compiling it."""
+    def params(self, req, max_tokens, logprobs, rename, prompt_logprobs: int | None = None, **extra) -> SamplingParams:
+        """The request's SamplingParams (and `extra` fields). `rename` (the engine's parameter names to
+        this endpoint's) gains the field a structured output came from, for the errors of building and
+        compiling it."""
         kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
-                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, **extra)
         kw.update({k: getattr(req, k) for k in _OPTIONAL_SAMPLING if getattr(req, k) is not None})
         structured, source = req.structured()
         if structured is not None:

@@ -1,9 +1,9 @@
-"""What the request models (request_models.py) are made of: strict models,
+"""What the request models (request_models.py, request_tools.py) are made of: strict models,
 int64-bounded numbers, fields that take only the values this server can honour, and the rules over
 several fields that are checked on every request and stated in /openapi.json as if/then.
 """
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, Callable, ClassVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
@@ -59,6 +59,23 @@ class Needs:
     def error(self) -> PydanticCustomError:
         what = "" if self.value is SET else f"{self.value!r} "
         return conflict(self.field, f"{what}is only allowed when {self.other} is true")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination refused where `violated(req)`, stated in the schema as "if `when` then `then`";
+    the error names `param`."""
+    when: dict
+    then: dict
+    violated: Callable[[object], bool]
+    param: str
+    why: str
+
+    def schema(self) -> dict:
+        return {"if": self.when, "then": self.then}
+
+    def error(self) -> PydanticCustomError:
+        return conflict(self.param, self.why)
 
 
 NEEDS_STREAM = Needs("stream_options", SET, "stream")

@@ -12,7 +12,8 @@ Unknown fields are ignored, as OpenAI-compatible servers do; a field OpenAI defi
 non-default values ridge cannot honour takes only the values it can (`only`), so it is refused,
 never silently ignored. Extra sampling fields that vLLM also takes (top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, prompt_logprobs) are accepted; the openai client sends them
-through extra_body. What the models are made of is request_base.py's.
+through extra_body. Tool calling's fields are request_tools.py's; what the models are made of,
+request_base.py's.
 
 This module evaluates its annotations when each class is made (no `from __future__ import
 annotations`): the limits are values of the function that builds the classes.
@@ -25,13 +26,8 @@ from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
 from ridge.engine.chat_messages import CHAT_ROLES
 from ridge.engine.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE
-from ridge.server.request_base import (NEEDS_STREAM, SET, UNSUPPORTED, Needs, StrictModel, conflict, integer, number,
-                                       only)
-
-
-# fields OpenAI defines whose other values ask for what this server lacks (tools, audio, ...)
-NO_TOOLS = only(list[dict] | None, None, [], why="tool calling " + UNSUPPORTED)
-NO_CALL_CHOICE = only(str | dict | None, None, "none", "auto")
+from ridge.server.request_base import NEEDS_STREAM, SET, Needs, StrictModel, conflict, integer, number, only
+from ridge.server.request_tools import HistoryToolCall, ToolFields, tool_rules
 
 
 class JsonSchemaFormat(StrictModel):
@@ -128,7 +124,8 @@ class ChatMessage(StrictModel):
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: NO_TOOLS = None
+    tool_calls: list[HistoryToolCall] | None = None     # an assistant's calls (its content may be null)
+    tool_call_id: str | None = None                     # a tool message: the call it answers
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -137,6 +134,10 @@ class ChatMessage(StrictModel):
         msg = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.as_template_input() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -151,6 +152,7 @@ class RequestLimits:
     max_n: int | None = None
     vocab_size: int | None = None
     max_model_len: int | None = None
+    auto_tools: bool = False             # a --tool-call-parser reads tool_choice "auto"'s calls
 
 
 @dataclass(frozen=True)
@@ -215,18 +217,16 @@ def request_models(lim: RequestLimits) -> RequestModels:
             self._check_min_tokens(self.max_tokens, "max_tokens")
             return self
 
-    class ChatCompletionRequest(_SamplingFields):
-        NEEDS = (NEEDS_STREAM, Needs("top_logprobs", SET, "logprobs"))
+    class ChatCompletionRequest(ToolFields, _SamplingFields):
+        NEEDS = (NEEDS_STREAM, Needs("top_logprobs", SET, "logprobs"), *tool_rules(lim.auto_tools))
         messages: Annotated[list[ChatMessage], Field(min_length=1)]
         max_tokens: tokens | None = None                     # None: up to the context; OpenAI deprecated it for
         max_completion_tokens: tokens | None = None          # this one, which wins when both are set
         logprobs: bool = False
         top_logprobs: top_count | None = None
-        tools: NO_TOOLS = None
+        # OpenAI's deprecated function calling: only the values that ask for none (tools replace it)
         functions: only(list[dict] | None, None, []) = None
-        function_call: NO_CALL_CHOICE = None
-        tool_choice: NO_CALL_CHOICE = None
-        parallel_tool_calls: only(bool | None, None) = None
+        function_call: only(str | dict | None, None, "none", "auto") = None
         modalities: only(list[str] | None, None, ["text"]) = None
         audio: only(dict | None, None) = None
         prediction: only(dict | None, None) = None

@@ -1,6 +1,8 @@
-"""/v1/chat/completions: a conversation rendered by the checkpoint's chat template (in a
-tokenizer worker) to one engine request, and its outputs to OpenAI's chat responses, whole or
-streamed (a first chunk per choice carries the role; each chunk's delta only what it sets)."""
+"""/v1/chat/completions: a conversation (and its tools) rendered by the checkpoint's chat template
+(in a tokenizer worker) to one engine request, and its outputs to OpenAI's chat responses, whole or
+streamed (a first chunk per choice carries the role; each chunk's delta only what it sets). Tool
+calls: a forced choice is held to its shape by a structured output, "auto" is read by the server's
+--tool-call-parser (chat_tools.py)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ridge.engine.sampling_params import SamplingParams
+from ridge.server.chat_tools import ToolPlan, ToolStream, without_nulls
 from ridge.server.engine_client import ChatPrompt
 from ridge.server.logprobs import chat_logprobs
 from ridge.server.openai_serving import OpenAIServing, RequestGroup, next_piece, sse, usage
@@ -23,22 +26,33 @@ class ChatServing(OpenAIServing):
         top = req.top_logprobs if req.top_logprobs is not None else 0
         max_tokens, max_name = req.max_new_tokens
         rename = {"logprobs": "top_logprobs", "max_tokens": max_name, "prompt": "messages"}
-        params = self.params(req, max_tokens, top if req.logprobs else None, rename)
+        plan = ToolPlan.of(req, self.cfg.tool_call_parser)
+        extra = {"skip_special_tokens": False} if plan is not None and plan.keeps_special_tokens else {}
+        params = self.params(req, max_tokens, top if req.logprobs else None, rename, **extra)
         group = RequestGroup(self.client, self.metrics, f"chatcmpl-{uuid.uuid4().hex}")
-        await group.submit([ChatPrompt([m.as_template_input() for m in req.messages])], params, rename)
+        prompt = ChatPrompt([m.as_template_input() for m in req.messages], req.tool_definitions)
+        await group.submit([prompt], params, rename)
         if req.stream:
-            return self.streaming_response(group, self._events(group, req, params, top))
+            return self.streaming_response(group, self._events(group, req, params, top, plan))
         finals = await self.collect(group, raw)
         if finals is None:
             return Response(status_code=499)
         out = finals[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=chat_logprobs(c.token_ids, c.logprobs, top) if c.logprobs is not None else None,
-                              finish_reason=c.finish_reason) for c in out.outputs]
-        resp = ChatCompletionResponse(id=group.base_id, model=self.cfg.model_name, choices=choices, usage=usage(finals))
-        return JSONResponse(resp.model_dump())
+        choices = []
+        for c in out.outputs:
+            message, reason = (AssistantMessage(content=c.text), c.finish_reason) if plan is None \
+                else plan.message(c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=reason,
+                                      logprobs=chat_logprobs(c.token_ids, c.logprobs, top)
+                                      if c.logprobs is not None else None))
+        body = ChatCompletionResponse(id=group.base_id, model=self.cfg.model_name, choices=choices,
+                                      usage=usage(finals)).model_dump()
+        for choice in body["choices"]:          # tool_calls only where calls were made
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]
+        return JSONResponse(body)
 
-    async def _events(self, group: RequestGroup, req, params: SamplingParams, top: int):
+    async def _events(self, group: RequestGroup, req, params: SamplingParams, top: int, plan: ToolPlan | None):
         created = int(time.time())
         usage_opt = req.stream_options is not None and req.stream_options.include_usage
 
@@ -46,13 +60,16 @@ class ChatServing(OpenAIServing):
             body = ChatCompletionChunk(id=group.base_id, created=created, model=self.cfg.model_name,
                                        choices=choices).model_dump()
             for choice in body["choices"]:      # a delta carries only what it sets
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = without_nulls(choice["delta"])
             if usage_opt:
                 body["usage"] = counts
             return sse(body)
 
+        tools = {j: ToolStream(plan) for j in range(req.n)} if plan is not None else {}
         for j in range(req.n):
             yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+            for delta in tools[j].head() if tools else ():
+                yield chunk([ChatChunkChoice(index=j, delta=delta)])
         streams, final = {}, None
         async for item in group.items():
             for c in item.output.outputs:
@@ -61,8 +78,11 @@ class ChatServing(OpenAIServing):
                     continue
                 text, reason, new_tokens, new_lps = piece
                 lps = chat_logprobs(new_tokens, new_lps, top) if new_lps is not None else None
-                yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lps,
-                                             finish_reason=reason)])
+                deltas, reason = tools[c.index].step(text, reason) if tools else ([DeltaMessage(content=text)], reason)
+                for k, delta in enumerate(deltas):     # the token's logprobs on the first, the reason on the last
+                    last = k == len(deltas) - 1
+                    yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lps if k == 0 else None,
+                                                 finish_reason=reason if last else None)])
             if item.output.finished:
                 final = item.output
         if usage_opt:
