@@ -12,6 +12,7 @@ test can run beside a real server). A README whose model name, key or request bo
 what that command serves fails here."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -176,3 +177,19 @@ def test_readme_python_snippet_runs(readme_server):
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md (serving snippet)", "exec"), {})
     assert "completion_tokens=" in out.getvalue()      # the stream ran to its usage chunk
+
+
+def test_readme_structured_and_tool_snippet_parses(readme_server):
+    """The serving section's second snippet: the schema's JSON and the forced call's arguments parse
+    (the snippet's own json.loads) and are what the schema and the tool allow."""
+    url, cfg, readme_port = readme_server
+    code = _here(_blocks("python")[1], readme_port, url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (structured outputs and tools snippet)", "exec"), scope := {})
+    obj = json.loads(scope["r"].choices[0].message.tool_calls[0].function.arguments)
+    assert set(obj) == {"path"} and isinstance(obj["path"], str) and len(obj["path"]) <= 24, obj
+    assert "read_file {'path': " in out.getvalue(), out.getvalue()
+    described = ast.literal_eval(out.getvalue().splitlines()[0])
+    assert set(described) == {"name", "kind"} and described["kind"] in ("module", "script", "test"), described
+    assert isinstance(described["name"], str) and len(described["name"]) <= 16, described
