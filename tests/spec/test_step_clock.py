@@ -63,7 +63,7 @@ class _Seq:
 
         from ridge.engine.request import SeqStatus
         from ridge.engine.sampling_params import SamplingParams
-        self.seq_id, self.status, self.num_pending = seq_id, SeqStatus.RUNNING, 0
+        self.seq_id, self.status, self.num_pending, self.grammar = seq_id, SeqStatus.RUNNING, 0, None
         self.request = SimpleNamespace(params=SamplingParams(temperature=temperature, seed=seed), max_tokens=1000,
                                        num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
         self.num_output_tokens, self.num_tokens, self.num_computed_tokens = 10, 50, 49
