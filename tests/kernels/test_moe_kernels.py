@@ -62,7 +62,7 @@ def test_align_by_expert_matches_reference(T, E, k, bm, kind):
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["uniform", "hot", "one"])
-@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (5, 16, 4), (40, 8, 2)])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (40, 8, 2)])
 def test_expert_kernels_match_reference(T, E, k, kind, dtype):
     g = torch.Generator().manual_seed(7 * T + E)
     H, inter = 64, 48
@@ -98,11 +98,13 @@ def test_fp8_expert_kernels_match_the_dequantized_reference(T, k):
     assert w13.q.dtype == torch.float8_e4m3fn and w13.scale.shape == (E, 3, 2)
     experts, weights = _loads(T, E, k, "uniform", g), torch.rand(T, k, generator=g)
     ref = fused_moe_ref(x, w13, w2, weights, experts).float()
-    # 64 x 64 tiles: three N tiles (the last ragged) and three or five K tiles (the last ragged) in each
-    # GEMM, two K tiles a scale block, and up tiles whose rows straddle two scale blocks
-    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1),) * 2)
+    # gate/up 64 x 64 tiles: three N tiles (the last ragged), three K tiles (the last ragged, two a scale
+    # block), up tiles whose rows straddle scale blocks 1 and 2; down 128 wide: two N tiles (the second
+    # ragged, in row block 1) and three K tiles of 64 (the last ragged, two a scale block)
+    small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1), SmallTiles(128, 128, 4, 1)))
     torch.testing.assert_close(small.float(), ref, atol=2e-2, rtol=2e-2)
-    grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 64, 64, 4, 1),) * 2)
+    grouped = fused_moe_grouped(x, w13, w2, weights, experts,
+                                (GroupedTiles(16, 64, 64, 4, 1), GroupedTiles(16, 128, 64, 4, 1)))
     torch.testing.assert_close(grouped.float(), ref, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="divides 128"):
         fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(16, 256, 4, 1),) * 2)
@@ -121,7 +123,7 @@ def _int4_fp32(w):
 @pytest.mark.parametrize("T,k", [(3, 2), (24, 2)])
 def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     """INT4 experts (codes packed along K, a scale and zero point per 128 inputs): K of gate/up 160
-    (a short last group), I = 72 (down's K one short group; 2I = 144 ragged against the 64-row tiles);
+    (a short last group), I = 72 (down's K one short group; I ragged against the 64-row tiles);
     uniform load, one expert taking every token, experts with none."""
     from ridge.kernels.moe_gemm import Int4Experts, dequantize_experts
     from ridge.layers.quant.int4.experts import quantize_experts_int4
@@ -138,14 +140,16 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
     assert torch.equal(ref, fused_moe_ref(x, dequantize_experts(w13), dequantize_experts(w2), weights, experts).float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     if T <= 16:          # the small path serves only steps of <= SMALL_MAX_TOKENS (16) tokens
-        # 64 x 64 tiles: gate/up two N tiles (the second 8 of 64) and three K tiles (groups 0, 0, 1, the
-        # last half a tile); down three N tiles (the last ragged) and three K tiles of 32 (the last 8 wide)
-        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1),) * 2)
+        # gate/up 64 x 64 tiles: two N tiles (the second 8 of 64) and three K tiles (groups 0, 0, 1, the
+        # last half a tile); down 128 x 128: two N tiles (the second ragged) and two K tiles of 64 (the
+        # second 8 wide)
+        small = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 64, 4, 1), SmallTiles(128, 128, 4, 1)))
         # the small path scales each group's fp32 sums (ridge/kernels/moe_int4.py) instead of rounding
         # every dequantized weight to the activation dtype: in bf16 it is held to the unrounded dequantized
         # MoE in fp32, no farther from it than twice the reference (whose rounded weights put it ~1 ulp off)
         # (gate/up with 128-wide K tiles runs on tensor cores: checked too, its second tile a short one)
-        small_mma = fused_moe_small(x, w13, w2, weights, experts, (SmallTiles(64, 128, 4, 1), SmallTiles(64, 64, 4, 1)))
+        small_mma = fused_moe_small(x, w13, w2, weights, experts,
+                                    (SmallTiles(64, 128, 4, 1), SmallTiles(128, 128, 4, 1)))
         exact = fused_moe_ref(x.float(), _int4_fp32(w13), _int4_fp32(w2), weights, experts)
         for got in (small, small_mma):
             if dtype == torch.float32:
@@ -153,9 +157,11 @@ def test_int4_expert_kernels_match_the_dequantized_reference(T, k, kind, dtype):
             else:
                 assert (got.float() - exact).abs().max() <= 2 * (ref - exact).abs().max()
     # the grouped path: the generic tile loads (64-wide K: two tiles a group) and the nibble planes (one
-    # 128-wide group a K step, each weight rounded as the reference's), both held to the reference
+    # 128-wide group a K step, each weight rounded as the reference's), both held to the reference;
+    # gate/up tiles 64 wide, down's 128 (two N tiles each, the second ragged)
     for bm, bk, fuse_sum in ((16, 64, True), (32, 64, False), (16, 128, True), (32, 128, False)):
-        grouped = fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(bm, 64, bk, 4, 1),) * 2, fuse_sum)
+        tiles = (GroupedTiles(bm, 64, bk, 4, 1), GroupedTiles(bm, 128, bk, 4, 1))
+        grouped = fused_moe_grouped(x, w13, w2, weights, experts, tiles, fuse_sum)
         torch.testing.assert_close(grouped.float(), ref, **tol)
     with pytest.raises(ValueError, match="Int4Experts need tiles whose K width divides 128"):
         fused_moe_grouped(x, w13, w2, weights, experts, (GroupedTiles(16, 32, 256, 4, 1),) * 2)
