@@ -70,11 +70,13 @@ def test_overlapped_decode_matches_synchronous(checkpoints):
 @pytest.mark.slow
 def test_overlapped_decode_abort_and_late_arrival(checkpoints):
     """An abort while a step is in flight and a request arriving mid-decode leave the other
-    requests' outputs as in synchronous mode and return every page."""
+    requests' outputs as in synchronous mode and return every page. max_model_len 32 holds every
+    request (16 tokens at most) with one attention split (the overlapped steps' split merges are
+    test_overlap_engages_with_logprobs_and_full_seats's)."""
     path = checkpoints("llama-1layer")
     results = {}
     for mode in (False, True):
-        llm = LLM(path, device="cpu", show_progress=False, max_model_len=64, max_num_seqs=4,
+        llm = LLM(path, device="cpu", show_progress=False, max_model_len=32, max_num_seqs=4,
                   attention_backend="triton", async_scheduling=mode)
         eng = llm.engine
         p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
