@@ -115,11 +115,9 @@ def test_greedy_identity_across_preemption_chunked_prefill_and_prefix_hits(propo
 def test_verify_steps_replay_the_padded_static_path(checkpoints):
     """With the Triton backend, verify steps run on the verify graphs' static buffers (the
     interpreter on a CPU), every sequence padded to k + 1 tokens: still plain decoding's tokens.
-    Each token is interpreted kernel programs in every layer, so the target has one decoder layer
-    and the prompts are few and short: three sequences (batch bucket 4, a padding row), two whose
-    greedy continuations repeat themselves (prompt lookup's drafts are accepted, some k long, some
-    shorter; the first one's verify steps pass 32 keys, so two of the 3 splits hold keys to merge)
-    and one without drafts in the first verify steps (its rows padding but the first)."""
+    One layer, three short prompts (bucket 4, a padding row): two whose continuations repeat (drafts
+    accepted, k long and shorter; the first passes 32 keys, so two splits merge), one without drafts
+    at first (its rows padding but the first)."""
     target = checkpoints("llama-1layer")
     prompts = [repetitive(3, 28), repetitive(1, 14), prompt_of(3, 3)]
     short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
