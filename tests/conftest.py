@@ -35,7 +35,7 @@ ARCH_OVERRIDES = {
     "llama-mqa": {"num_key_value_heads": 1},
     # one decoder layer: for the engine tests whose cost is the interpreted Triton kernels (a launch
     # per layer each step) and whose subject is not the stack of layers (the static decode path,
-    # overlap, FP8 pages, verify steps)
+    # overlap, verify steps, FP8 pages and producers)
     "llama-1layer": {"num_hidden_layers": 1},
     "mistral-sw": {"sliding_window": 8},          # a window shorter than the prompts
     "mixtral": {},
