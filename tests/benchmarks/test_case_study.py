@@ -28,6 +28,13 @@ def run(*args, timeout=300):
     return p.stdout
 
 
+def run_here(*args) -> None:
+    """The script's command in this process (its main(argv)): for the commands that start no engine
+    or server (story, round --summarize-only), a fresh interpreter would be most of their cost."""
+    from tests.tests_support import load_benchmark
+    assert load_benchmark("case_study_70b").main(list(args)) == 0
+
+
 @pytest.fixture(scope="module")
 def round0(tmp_path_factory):
     out = tmp_path_factory.mktemp("cs") / "case-study-70b" / "round-0"
@@ -78,7 +85,7 @@ def test_smoke_round_writes_every_figure_with_its_prediction(round0):
 def test_story_fills_the_table_from_the_summaries(round0):
     rounds = round0.parent
     doc = rounds.parent / "case-study-70b.md"
-    run("story", "--rounds", str(rounds))
+    run_here("story", "--rounds", str(rounds))
     text = doc.read_text()
     assert "<!-- figures:begin" in text and "## Round 3" in text and (rounds / "rounds.png").is_file()
     row = next(line for line in text.splitlines() if line.startswith("| TTFT, batch 1"))
@@ -88,7 +95,7 @@ def test_story_fills_the_table_from_the_summaries(round0):
     assert cells[3:] == ["not yet measured"] * 3
     # the prose around the table is kept when the table is written again
     doc.write_text(text.replace("(not yet written)", "the lead's prose", 1))
-    run("story", "--rounds", str(rounds))
+    run_here("story", "--rounds", str(rounds))
     assert "the lead's prose" in doc.read_text() and doc.read_text().count("<!-- figures:begin") == 1
 
 
@@ -119,7 +126,7 @@ def test_a_server_that_does_not_start_keeps_the_measured_round(round0, tmp_path,
     assert "opentelemetry" in s["serve"]["note"] and s["serve"]["probes"] == []
     before = figs
     (out / "summary.json").unlink()
-    run("round", "--round", "0", "--smoke", "--summarize-only", "--out", str(out))
+    run_here("round", "--round", "0", "--smoke", "--summarize-only", "--out", str(out))
     s = json.loads((out / "summary.json").read_text())
     assert s["measure_s"] is None and "opentelemetry" in s["serve"]["note"]
     assert {f["name"]: f["measured"] for f in s["figures"]} == {n: f["measured"] for n, f in before.items()}
@@ -154,6 +161,6 @@ def test_story_names_the_serve_sweeps_card_and_survives_a_round_without_one(roun
     s = json.loads((rounds / "round-0" / "summary.json").read_text())
     s["device"], s["serve"]["device"] = None, "NVIDIA H100 80GB HBM3"   # a failed measure; the sweep ran later
     (rounds / "round-0" / "summary.json").write_text(json.dumps(s))
-    run("story", "--rounds", str(rounds))
+    run_here("story", "--rounds", str(rounds))
     line = next(x for x in (tmp_path / "case-study-70b.md").read_text().splitlines() if x.startswith("Rounds measured"))
     assert "0 (device unknown; serve sweep on NVIDIA H100 80GB HBM3" in line
