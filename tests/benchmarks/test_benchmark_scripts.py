@@ -183,7 +183,7 @@ def test_engine_ready_arguments(monkeypatch):
 # ------------------------------------------------------------------------------------------ runner
 GPU_RUN_PARTS = ("tests-kernels,attention,gemv,fused,int4,fp8,fp8-producers,ab,dummy,tests-engine,fastpath,int4-e2e,"
                  "int4-roofline,int4-quality,fp8-attn,fp8-quality,fp8-e2e,fp8-throughput,fp8-roofline,spec-demo,spec-agent,"
-                 "spec-verify,spec-oracle,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,"
+                 "spec-verify,spec-oracle,structured,serve-load,moe-tests,moe-kernels,moe-e2e,moe-roofline,moe-mixtral,mla,mla-e2e,"
                  "moe-fp8,moe-int4,tp-tests,tp,tp-comm,tp-scale,tp-scale-8b,case-70b").split(",")
 
 
