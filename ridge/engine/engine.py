@@ -80,8 +80,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort_request(req)
-        if self.overlap.inflight is not None and all(s.is_finished for s in self.overlap.inflight.seqs):
-            self.overlap.inflight = None            # every row of the in-flight step ended: nothing to commit
+        self.overlap.drop_if_ended()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.overlap.inflight is not None

@@ -96,5 +96,10 @@ class DecodeOverlap:
     def sample_ahead(self, ahead: UnsampledStep) -> None:
         tokens, info = self.sample(ahead.logits, ahead.seqs)
         self.leave_on_device(ahead.seqs, tokens, info, ahead.sched)
-        if all(s.is_finished for s in ahead.seqs):
-            self.inflight = None          # every row ended while it ran: nothing to commit
+        self.drop_if_ended()
+
+    def drop_if_ended(self) -> None:
+        """Forget the in-flight step when every row of it has ended (stopped while it ran, or
+        aborted): there is nothing to commit."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.seqs):
+            self.inflight = None

@@ -91,6 +91,8 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info)
         self.compiled: dict[tuple[str, str], object] = {}
+        self._bitmask: torch.Tensor | None = None       # see _host_bitmask
+        self._copied = None                              # a CUDA event: the buffer's last copy has run
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar, or a ValueError naming the field XGrammar could not compile."""
@@ -125,13 +127,25 @@ class Grammars:
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
         if not rows:
             return
-        # pinned on a GPU: the copy is queued on the stream without waiting for the forward it follows
-        bitmask = torch.full((len(seqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)
-        for i in rows:
+        bitmask = self._host_bitmask(len(seqs), logits.is_cuda)
+        for i in rows:                    # a row without a matcher is left as it is: `indices` skips it
             seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                             vocab_size=self.vocab_size, indices=rows)
+        on_device = bitmask.to(logits.device, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=self.vocab_size, indices=rows)
+
+    def _host_bitmask(self, rows: int, cuda: bool) -> torch.Tensor:
+        """The host's bitmask rows, one buffer kept across steps (pinned on a GPU: a new pinned
+        buffer a step costs more than the fill). Its copy to the device is queued behind the
+        forward, so before the host writes the buffer again it waits for that copy, which in any
+        schedule has already run: the ids of the step it masked were read back before."""
+        if self._bitmask is None or self._bitmask.shape[0] < rows or self._bitmask.is_pinned() != cuda:
+            self._bitmask = torch.empty((rows, (self.vocab_size + 31) // 32), dtype=torch.int32, pin_memory=cuda)
+            self._copied = torch.cuda.Event() if cuda else None
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return self._bitmask[:rows]
 
 
 def advance(seq, token: int) -> bool:

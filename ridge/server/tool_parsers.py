@@ -9,6 +9,7 @@ is JSON that opens the output), so text before it can be sent as content while i
 """
 from __future__ import annotations
 
+import abc
 import json
 import re
 from dataclasses import dataclass
@@ -22,14 +23,15 @@ class ParsedCall:
     arguments: str            # JSON text
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     name = ""
     markers: tuple[str, ...] = ()       # a call may begin at any of these
     leading = ""                        # a call may also begin with one of these characters opening the output
     keeps_special_tokens = False        # its markers are special tokens: the output's text must keep them
 
+    @abc.abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        raise NotImplementedError
+        """(the text outside calls, or None where there is none; the calls found)."""
 
     def call_start(self, text: str) -> int | None:
         """Where the first call may begin in `text` (None: nowhere yet)."""
