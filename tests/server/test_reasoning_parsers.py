@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from ridge.cli import build_parser
+from ridge.server.config import ServerConfig
 from ridge.server.reasoning_parsers import REASONING_PARSERS, DeepSeekR1Parser, Qwen3Parser
 
 # DeepSeek R1 (its template opens <think> in the prompt: the output starts inside the reasoning)
@@ -69,9 +71,17 @@ def test_explicit_only_under_a_grammar():
     assert Qwen3Parser().parse("<think>x</think>{}", implicit=False) == ("x", "{}")
 
 
-def test_registry():
+def test_registry_and_setting(capsys):
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
     assert all(REASONING_PARSERS[name]().name == name for name in REASONING_PARSERS)
+    assert build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    # an unknown name: the flag (or the setting) and the choices named
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "granite"])
+    err = capsys.readouterr().err
+    assert "--reasoning-parser" in err and "'deepseek_r1', 'qwen3'" in err, err
+    with pytest.raises(ValueError, match=r"^reasoning_parser: must be one of deepseek_r1, qwen3; got 'granite'"):
+        ServerConfig(model_name="m", reasoning_parser="granite")
 
 
 # -- streaming --------------------------------------------------------------------------------------------
