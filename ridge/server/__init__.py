@@ -11,6 +11,8 @@
     openai_serving.py what the endpoints share: engine requests, params, collecting, streaming, usage
     serving_completions.py  /v1/completions (echo, prompt logprobs)
     serving_chat.py   /v1/chat/completions
+    chat_answers.py   what a sample's text becomes in its answers: reasoning split off, then tool calls
+    reasoning_parsers.py  a reasoning model's <think> block out of its text (--reasoning-parser)
     chat_tools.py     tool calls in its answers, whole and streamed; tool_parsers.py reads a model's
                       own call format (--tool-call-parser)
     metrics.py        Prometheus metrics

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ridge import settings
 from ridge.engine.sampling_params import MAX_LOGPROBS
+from ridge.server.reasoning_parsers import REASONING_PARSERS
 from ridge.server.tool_parsers import PARSERS
 from ridge.settings import setting
 
@@ -56,6 +57,14 @@ class ServerConfig:
                                                 'template), llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS]). '
                                                 'Without one, a request with tools must set tool_choice to "none", '
                                                 '"required" or a named function',
+                                           default_text="none")
+    reasoning_parser: str | None = setting(None, choices=tuple(REASONING_PARSERS),
+                                           help="split a reasoning model's thinking (<think>...</think>) out of its "
+                                                "chat answers into reasoning / reasoning_content, before the tool-call "
+                                                "parser reads the rest: deepseek_r1 (the output starts inside the "
+                                                "reasoning: DeepSeek R1, QwQ, templates that open <think> in the "
+                                                "prompt), qwen3 (reasoning only where the output opens with <think>). "
+                                                "/v1/completions is not split",
                                            default_text="none")
     log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 

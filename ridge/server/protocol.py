@@ -80,9 +80,13 @@ class ToolCall(_Response):
 
 class AssistantMessage(_Response):
     """content is null when the model made tool calls (and omitted from them); tool_calls is left
-    out when there are none."""
+    out when there are none. With a --reasoning-parser, the model's reasoning (its <think> block) is
+    `reasoning` (vLLM's current name) and, the same text, `reasoning_content` (DeepSeek's, and
+    vLLM's before); both null when there was none, and both left out on a server without a parser."""
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -116,8 +120,12 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
+    """A stream's piece of the message: only the fields it sets are sent. The reasoning comes first,
+    in `reasoning` and `reasoning_content` (the same text, as in AssistantMessage), then `content`."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
