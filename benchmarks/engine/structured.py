@@ -1,9 +1,10 @@
 """Structured outputs' cost (issue 45): XGrammar's compile time for a schema of --fields fields, cold
 (a fresh compiler) and cached (the engine's cache, a second request with the same schema), and the
 decode-time overhead of a JSON-schema constraint: output tokens/s of the same greedy requests with
-and without the constraint at each batch size, and the mask's own time a step (filling the rows'
-bitmasks on the host and applying them to the logits), from the engine's Grammars.mask in a round
-of its own. Medians of --repeats rounds.
+and without the constraint at each batch size, and the mask's host time a step (filling the rows'
+bitmasks, queueing their copy and the apply; the device's part is not waited for), from the engine's
+Grammars.mask in a round of its own, which also times the fill alone one matcher after another and
+with XGrammar's threaded BatchGrammarMatcher on the same states. Medians of --repeats rounds.
 
 The constrained and free runs decode the same number of tokens: free requests run with
 ignore_eos to the constrained run's lengths, so the ratio is per output token.
@@ -65,13 +66,24 @@ def decode_overhead(llm, schema: dict, batch: int, max_tokens: int, repeats: int
     free = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     llm.generate(prompts, free, use_tqdm=False)
     grammars = engine.intake.grammars
-    mask, spent = grammars.mask, []
+    mask, spent, fills = grammars.mask, [], []
+    batch_fill = grammars.xgr.BatchGrammarMatcher()
 
     def timed_mask(logits, seqs):
+        """The mask's host time (fill, copy and apply queued; the device's part is not waited for),
+        and the fill alone both ways on the same states: one matcher after another (what the engine
+        does) and XGrammar's threaded batch fill, each into a scratch buffer."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        scratch = torch.empty((len(seqs), (grammars.vocab_size + 31) // 32), dtype=torch.int32)
         t0 = time.perf_counter()
+        for i in rows:
+            seqs[i].grammar.fill_next_token_bitmask(scratch, i)
+        t1 = time.perf_counter()
+        batch_fill.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], scratch, rows)
+        t2 = time.perf_counter()
         mask(logits, seqs)
-        sync()
-        spent.append(time.perf_counter() - t0)
+        spent.append(time.perf_counter() - t2)
+        fills.append((t1 - t0, t2 - t1))
 
     def timed(params) -> tuple[float, list]:
         sync()
@@ -86,16 +98,18 @@ def decode_overhead(llm, schema: dict, batch: int, max_tokens: int, repeats: int
         f_s, _ = timed(free)
         assert [len(o.outputs[0].token_ids) for o in outs] == lengths        # greedy: the same outputs
         rounds.append((c_s, f_s))
-    grammars.mask = timed_mask          # one more constrained round, for the mask's own time: its
-    m_s, _ = timed(constrained)         # synchronize (to time the device's part) stays out of the rounds
+    grammars.mask = timed_mask          # one more constrained round, for the mask's own time (the
+    timed(constrained)                  # extra fills stay out of the timed rounds)
     grammars.mask = mask
     c_s, f_s = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
     tokens = sum(lengths)
     return dict(batch=batch, tokens=tokens, repeats=repeats,
                 all_complete=all(o.outputs[0].finish_reason == "stop" for o in outs),
                 constrained_tok_s=tokens / c_s, free_tok_s=tokens / f_s, overhead_per_token=c_s / f_s - 1,
-                ratios=[c / f for c, f in rounds], mask_ms_per_step=1e3 * statistics.median(spent),
-                mask_share=sum(spent) / m_s)
+                ratios=[c / f for c, f in rounds], mask_host_ms_per_step=1e3 * statistics.median(spent),
+                mask_host_share=sum(spent) / c_s,
+                fill_serial_ms_per_step=1e3 * statistics.median(f[0] for f in fills),
+                fill_batch_ms_per_step=1e3 * statistics.median(f[1] for f in fills))
 
 
 def main(argv=None) -> int:
@@ -115,9 +129,12 @@ def main(argv=None) -> int:
                   **compile_times(llm, schema), rows=[decode_overhead(llm, schema, b, a.max_tokens, a.repeats) for b in a.batches])
     print(f"compile, {a.fields}-field schema: cold {result['compile_cold_ms']:.1f} ms, "
           f"cached {result['compile_cached_ms']:.3f} ms")
-    print(format_table(["batch", "tokens", "free tok/s", "constrained tok/s", "overhead", "mask ms/step", "mask share"],
+    print(format_table(["batch", "tokens", "free tok/s", "constrained tok/s", "overhead", "mask host ms/step",
+                        "share", "fill serial ms", "fill threaded ms"],
                        [[r["batch"], r["tokens"], f"{r['free_tok_s']:.1f}", f"{r['constrained_tok_s']:.1f}",
-                         f"{r['overhead_per_token']:+.1%}", f"{r['mask_ms_per_step']:.3f}", f"{r['mask_share']:.1%}"]
+                         f"{r['overhead_per_token']:+.1%}", f"{r['mask_host_ms_per_step']:.3f}",
+                         f"{r['mask_host_share']:.1%}", f"{r['fill_serial_ms_per_step']:.3f}",
+                         f"{r['fill_batch_ms_per_step']:.3f}"]
                         for r in result["rows"]], title=f"JSON-schema constraint, {result['device']}"))
     if a.json:
         write_json(a.json, result)
