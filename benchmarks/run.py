@@ -367,9 +367,9 @@ PARTS = [
                                     "--batches", "1", "64", "--ks", "2", "4", "8", *r.extra,
                                     "--json", r.o("spec_oracle.json"))], 400, 120, ("spec_oracle.json",), extra=True),
     Part("structured", "benchmarks/engine/structured.py, 8B shape (dummy weights): a 50-field JSON schema's compile "
-         "time, and its decode overhead at batch 1 and 64",
+         "time, and its decode overhead at batch 1, 16 and 64",
          lambda r: [cfg8b(), script("engine/structured.py", "--model", CFG_8B, "--load-format", "dummy",
-                                    "--batches", "1", "64", "--max-tokens", "512", *r.extra,
+                                    "--batches", "1", "16", "64", "--max-tokens", "512", *r.extra,
                                     "--json", r.o("structured.json"))], 400, 120, ("structured.json",), extra=True),
     Part("serve-load", "benchmarks/serving/serve_load.py: 64 streams on the demo model, without and with the burst",
          serve_load, 400, 120, ("serve_load.json", "serve_load_burst.json"), extra=True),

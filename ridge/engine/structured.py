@@ -82,6 +82,11 @@ class StructuredOutputsParams:
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
+# From this many constrained rows a step the masks are filled by XGrammar's thread pool (the host's
+# fill is on the decode step's critical path once it outgrows the forward): BENCHMARKS.md, structured.
+THREADED_FILL_ROWS = 8
+
+
 class Grammars:
     """Compiles the grammars of one tokenizer (cached by their text) and makes matchers for them."""
 
@@ -93,6 +98,7 @@ class Grammars:
         self.compiled: dict[tuple[str, str], object] = {}
         self._bitmask: torch.Tensor | None = None       # see _host_bitmask
         self._copied = None                              # a CUDA event: the buffer's last copy has run
+        self._threads = None                             # XGrammar's threaded fill, made when first needed
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar, or a ValueError naming the field XGrammar could not compile."""
@@ -128,8 +134,13 @@ class Grammars:
         if not rows:
             return
         bitmask = self._host_bitmask(len(seqs), logits.is_cuda)
-        for i in rows:                    # a row without a matcher is left as it is: `indices` skips it
-            seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        if len(rows) < THREADED_FILL_ROWS:    # a row without a matcher is left as it is: `indices` skips it
+            for i in rows:
+                seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        else:
+            if self._threads is None:
+                self._threads = self.xgr.BatchGrammarMatcher()
+            self._threads.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
         on_device = bitmask.to(logits.device, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

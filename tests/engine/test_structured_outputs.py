@@ -168,3 +168,42 @@ def test_gpu_every_output_parses_beside_free_requests_on_the_decode_graphs():
              async_scheduling=False) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == \
             [o.outputs[0].token_ids for o in overlapped]
+
+
+@pytest.mark.parametrize("constrained_rows", [3, 10])      # one matcher after another; XGrammar's thread pool
+def test_the_mask_allows_exactly_each_matchers_tokens_and_leaves_other_rows(demo, constrained_rows):
+    """Grammars.mask against each matcher's own bitmask, with matchers at different places in their
+    grammars, beside a free row and a finished one (neither touched)."""
+    from types import SimpleNamespace
+
+    import torch
+    import xgrammar as xgr
+
+    from ridge.engine.structured import THREADED_FILL_ROWS, StructuredOutputsParams
+    assert 3 < THREADED_FILL_ROWS <= 10                    # the two cases take the two paths
+    demo.engine.intake.compile_grammar(constrained("regex"))   # makes the engine's Grammars
+    grammars = demo.engine.intake.grammars
+    vocab = grammars.vocab_size
+    seqs, gen = [], torch.Generator().manual_seed(0)
+    for r in range(constrained_rows):
+        matcher = grammars.matcher(StructuredOutputsParams(json=SCHEMA) if r % 2 else StructuredOutputsParams(regex=REGEX))
+        for _ in range(r % 5):                    # walk r % 5 allowed tokens in
+            row = xgr.allocate_token_bitmask(1, vocab)
+            matcher.fill_next_token_bitmask(row)
+            allowed = [t for t in range(vocab) if (row[0, t // 32] >> (t % 32)) & 1]
+            assert matcher.accept_token(allowed[int(torch.randint(len(allowed), (1,), generator=gen))])
+        seqs.append(SimpleNamespace(grammar=matcher, is_finished=False))
+    seqs.insert(1, SimpleNamespace(grammar=None, is_finished=False))
+    seqs.append(SimpleNamespace(grammar=grammars.matcher(StructuredOutputsParams(regex=REGEX)), is_finished=True))
+    logits = torch.randn(len(seqs), vocab, generator=gen)
+    masked = logits.clone()
+    grammars.mask(masked, seqs)
+    for i, s in enumerate(seqs):
+        if s.grammar is None or s.is_finished:
+            assert torch.equal(masked[i], logits[i])
+            continue
+        row = xgr.allocate_token_bitmask(1, vocab)
+        s.grammar.fill_next_token_bitmask(row)
+        bits = torch.tensor([(int(row[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+        assert torch.equal(masked[i][bits], logits[i][bits]) and bool((masked[i][~bits] == float("-inf")).all())
+        assert 0 < int(bits.sum()) < vocab
