@@ -82,9 +82,9 @@ class StructuredOutputsParams:
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
-# From this many constrained rows a step the masks are filled by XGrammar's thread pool (the host's
-# fill is on the decode step's critical path once it outgrows the forward): BENCHMARKS.md, structured.
-THREADED_FILL_ROWS = 8
+# From this many constrained rows a step the masks are filled by XGrammar's thread pool: one matcher
+# after another costs ~25 us a row, the pool ~0.5 ms to wake plus ~4 us a row (docs/benchmarks/structured.md).
+THREADED_FILL_ROWS = 32
 
 
 class Grammars:
