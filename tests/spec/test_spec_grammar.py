@@ -71,9 +71,12 @@ def plain():
 
 @pytest.fixture(scope="module")
 def greedy_batch(plain):
-    """The mixed batch (one constrained prompt of each kind, one free) and plain decoding's outputs."""
+    """The mixed batch (one constrained prompt of each kind, one free) and plain decoding's outputs.
+    The regex request asks for logprobs: while it runs, verify steps take the general path (target
+    distributions), after it the all-greedy one (argmax)."""
     prompts = [PROMPTS[k] for k in VALUES] + [FREE]
-    params = [constrained(k) for k in VALUES] + [SamplingParams(max_tokens=16, temperature=0)]
+    params = [constrained(k, **({"logprobs": 2} if k == "regex" else {})) for k in VALUES] + \
+        [SamplingParams(max_tokens=16, temperature=0)]
     return prompts, params, [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
 
 
@@ -137,6 +140,9 @@ def test_greedy_under_grammars_is_plain_decoding_with_drafts_accepted(proposer, 
     for kind, o in zip(VALUES, outs):
         check(kind, o.outputs[0].text)
         assert o.outputs[0].finish_reason == "stop"
+    for a, b in zip(outs[1].outputs[0].logprobs, want[1].logprobs):     # the constrained distribution's
+        assert a.keys() == b.keys()      # a forced token's runner-up is -inf in both
+        assert all(a[t].logprob == b[t].logprob or abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     drafted = [o.metrics.num_draft_tokens for o in outs[:len(VALUES)]]
     accepted = [o.metrics.num_accepted_tokens for o in outs[:len(VALUES)]]
     # every kind drafts (json, the longest, has most of its tokens accepted; the others a few)
@@ -229,3 +235,45 @@ def test_greedy_under_grammars_across_preemption_and_prefix_hits_with_drafts(pla
     spec.engine.speculator.plan([])                 # nothing runs: the draft's state goes
     draft = spec.engine.speculator.proposer
     assert not draft.states and draft.pages.num_free_pages == draft.pages.num_pages
+
+
+def test_a_draft_identical_to_the_target_reproduces_seeded_sampling_under_grammars(plain):
+    """The target as its own draft model, sampling at temperature 1: q masked like p at every
+    position is p, so every draft is accepted and the seeded output is plain sampling's, token for
+    token; with a wrong per-position mask on either side drafts would be rejected or tokens differ."""
+    kinds = ["json", "regex", "grammar"]
+    params = [constrained(k, temperature=1.0, seed=i, max_tokens=40) for i, k in enumerate(kinds)]
+    prompts = [PROMPTS[k] for k in kinds]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = llm({"method": "draft_model", "model": DEMO, "num_speculative_tokens": 3})
+    spec.engine.speculator.draft_cost = 0.0         # a draft this dear would not pay: draft anyway
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for kind, o in zip(kinds, outs):
+        check(kind, o.outputs[0].text)
+        assert o.metrics.num_draft_tokens == o.metrics.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_speculation_under_grammars_beside_the_overlapped_decode_path():
+    """Async scheduling with speculation (the Triton interpreter's static decode path): the step
+    clock's probe runs plain steps first, overlapped, constrained rows sampled after the previous
+    ids reach their matchers; then drafting steps, synchronous. The greedy outputs equal fully
+    synchronous steps', the constrained sequences took drafts, and every page comes back."""
+    prompts = [PROMPTS["regex"], PROMPTS["grammar"], FREE]
+    params = [constrained("regex", max_tokens=12), constrained("grammar", max_tokens=12),
+              SamplingParams(max_tokens=12, temperature=0)]
+    runs = {}
+    for overlap in (False, True):
+        engine_llm = LLM("demo-code-3m", device="cpu", show_progress=False, max_model_len=48, max_num_seqs=4,
+                         attention_backend="triton", async_scheduling=overlap, speculative_config=CONFIGS["ngram"])
+        engine_llm.engine.speculator.cutoff = 4       # the clock decides, not this machine's ceilings
+        outs = engine_llm.generate(prompts, params, use_tqdm=False)
+        runs[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        check("regex", outs[0].outputs[0].text)
+        check("grammar", outs[1].outputs[0].text)
+        st = engine_llm.engine.stats()
+        assert (st.num_overlapped_steps > 0) == overlap
+        assert sum(o.metrics.num_drafts for o in outs[:2]) > 0
+        assert st.num_free_pages == st.num_pages and not engine_llm.engine.has_unfinished()
+    assert runs[True] == runs[False]
