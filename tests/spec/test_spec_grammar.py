@@ -1,9 +1,10 @@
 """Speculative decoding under a grammar (structured outputs; ridge/engine/structured.py's draft
 walk, speculator.plan's cut, verify's per-position masks, the draft model's masked q), on the demo
 pair, CPU: greedy outputs equal plain decoding's for ngram and the draft model with drafts proposed
-and accepted for the constrained sequences; every output parses; a grammar that ends inside a run
-of drafts ends the sequence there; sampled runs stay within the grammar; preemption and prefix hits
-keep the identity; the mask walk leaves a matcher where it found it."""
+and accepted for the constrained sequences (logprobs too); every output parses; a grammar that
+ends inside a run of drafts ends the sequence there; sampled runs stay within the grammar, and the
+target as its own draft reproduces seeded sampling; preemption, prefix hits and the overlapped
+decode path keep the identity; the mask walk leaves a matcher where it found it."""
 import json
 import os
 import re
