@@ -278,3 +278,33 @@ def test_speculation_under_grammars_beside_the_overlapped_decode_path():
         assert sum(o.metrics.num_drafts for o in outs[:2]) > 0
         assert st.num_free_pages == st.num_pages and not engine_llm.engine.has_unfinished()
     assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_gpu_speculation_under_grammars(proposer):
+    """On the GPU (bf16, Triton kernels, verify and decode graphs; the masks filled in pinned memory
+    and applied on the device): every constrained output parses and ends at its grammar's end, drafts
+    were accepted, and greedy tokens follow plain decoding's (a verify step's logits come from other
+    kernels than a decode step's, so a near-tie may flip late in a run, never early)."""
+    kw = dict(dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=512)
+    prompts = [PROMPTS[k] for k in VALUES] + [FREE]
+    params = [constrained(k) for k in VALUES] + [SamplingParams(max_tokens=16, temperature=0)]
+    with LLM(DEMO, show_progress=False, **kw) as plain_llm:
+        want = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(DEMO, show_progress=False, speculative_config=CONFIGS[proposer], **kw) as spec:
+        sp = spec.engine.speculator
+        sp.cutoff, sp.clock.pays, sp.clock.overhead = 8, (lambda b: True), (lambda b, draft_cost=0.0: None)
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        sampled = spec.generate(prompts[:3], [constrained(k, temperature=1.0, seed=5) for k in list(VALUES)[:3]],
+                                use_tqdm=False)
+    for kind, o in zip(VALUES, outs):
+        assert o.outputs[0].finish_reason == "stop"
+        check(kind, o.outputs[0].text)
+    for kind, o in zip(VALUES, sampled):       # a sampled JSON may run to max_tokens: parse what ended
+        if o.outputs[0].finish_reason == "stop":
+            check(kind, o.outputs[0].text)
+    for o, w in zip(outs, want):
+        assert o.outputs[0].token_ids[:8] == w[:8]
+    assert sum(o.metrics.num_accepted_tokens for o in outs[:len(VALUES)]) > 0
