@@ -165,3 +165,82 @@ def advance(seq, token: int) -> bool:
         raise RuntimeError(f"structured outputs: token {token} is outside the grammar of request "
                            f"{seq.request.request_id} (the mask allowed it)")
     return seq.grammar.is_terminated()
+
+
+# ---- speculative decoding under a grammar (ridge/engine/spec/) ------------------------------------
+# A verify step scores a sequence's last token and its k drafts at once, so its k + 1 logits rows
+# need k + 1 masks: row i the grammar's state after the committed tokens and drafts[:i]. The
+# matcher walks the drafts to fill them and then rolls back all it walked, so that its state after
+# equals its state before: only commit (`advance`) moves a matcher for good, token by token, and a
+# rejected draft leaves nothing to undo.
+
+def allowed_drafts(matcher, drafts: list[int]) -> int:
+    """How many leading drafts the grammar lets a sequence take: up to the first it rejects (a
+    draft outside the grammar cannot be accepted), and none after one that ends the grammar (the
+    sequence ends there if that one is accepted). The matcher is walked and rolled back."""
+    n = 0
+    try:
+        for tok in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+    finally:
+        matcher.rollback(n)
+    return n
+
+
+def fill_run_bitmask(matcher, drafts: list[int], bitmask: torch.Tensor, row: int) -> int:
+    """Fill bitmask rows row, row + 1, ...: row + i with the tokens the grammar allows after
+    drafts[:i], for i up to len(drafts) or the first draft the grammar rejects or ends on (the rows
+    after that are never sampled from: a rejected draft is never accepted, and after the grammar's
+    end the sequence ends). Returns the rows filled; the matcher is walked and rolled back."""
+    walked, filled = 0, 0
+    try:
+        for i in range(len(drafts) + 1):
+            matcher.fill_next_token_bitmask(bitmask, row + i)
+            filled += 1
+            if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                break
+            walked += 1
+            if matcher.is_terminated():
+                break
+    finally:
+        matcher.rollback(walked)
+    return filled
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    import xgrammar as xgr
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[-1], indices=rows)
+
+
+def _bitmask(rows: int, logits: torch.Tensor) -> torch.Tensor:
+    # pinned on a GPU: the copy is queued on the stream without waiting for the forward it follows
+    return torch.full((rows, (logits.shape[-1] + 31) // 32), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+
+
+def mask_runs(logits: torch.Tensor, seqs: list, runs: list[list[int]]) -> None:
+    """A verify step's masks, in place: `logits` holds len(run) + 1 rows per sequence, in order (row
+    i scores the token after the sequence's run[:i]); a constrained sequence's rows are masked with
+    its grammar after run[:i] (fill_run_bitmask), a free sequence's are left alone."""
+    if not any(s.grammar is not None for s in seqs):
+        return
+    bitmask, rows, at = _bitmask(logits.shape[0], logits), [], 0
+    for seq, run in zip(seqs, runs):
+        if seq.grammar is not None and not seq.is_finished:
+            rows += range(at, at + fill_run_bitmask(seq.grammar, run, bitmask, at))
+        at += len(run) + 1
+    _apply(logits, bitmask, rows)
+
+
+def mask_rows(logits: torch.Tensor, matchers: list) -> None:
+    """Row i masked, in place, with matchers[i]'s current state (None: left alone); a draft model's
+    step, whose matchers have walked the drafts drawn so far."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = _bitmask(logits.shape[0], logits)
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    _apply(logits, bitmask, rows)

@@ -70,8 +70,8 @@ def test_n_samples_each_follow_the_grammar_on_their_own(demo):
 
 def test_greedy_under_a_grammar_is_the_same_across_preemption_prefix_hits_and_speculation(demo):
     """Greedy constrained outputs do not depend on how the engine computed them: preempted and
-    recomputed, from prefix-cache hits, or beside speculating requests (a constrained sequence
-    itself takes no drafts)."""
+    recomputed, from prefix-cache hits, or with speculation beside free requests (the constrained
+    sequences take drafts too, checked against their grammar: tests/spec/test_spec_grammar.py)."""
     prompts = ["x = 1\n" * 12 + p for p in PROMPTS]
     params = constrained("json", temperature=0)
     want = [o.outputs[0].text for o in demo.generate(prompts, params, use_tqdm=False)]
@@ -89,7 +89,7 @@ def test_greedy_under_a_grammar_is_the_same_across_preemption_prefix_hits_and_sp
                                                                                       temperature=0)] * 2,
                           use_tqdm=False)
     assert [o.outputs[0].text for o in mixed[:len(prompts)]] == want
-    assert all(o.metrics.num_drafts == 0 for o in mixed[:len(prompts)])
+    assert sum(o.metrics.num_drafts for o in mixed[:len(prompts)]) > 0
 
 
 @pytest.mark.slow

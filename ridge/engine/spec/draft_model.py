@@ -8,8 +8,9 @@ cutting the cache back to the longest prefix both agree on), in one batched chun
 the first draft, then runs one decode step per further draft, all speculating sequences batched.
 Each draft is drawn from q, the draft's distribution under the request's own sampling parameters
 (rejection.draft_probs), with the plain sampler's noise at that output index, and q is handed to
-the verification: a draft identical to the target is then always accepted. A sequence the draft
-pool has no pages for gets no drafts this step (the target decodes it plainly).
+the verification: a draft identical to the target is then always accepted. Under a structured
+output's grammar q is masked as the target's p is (propose). A sequence the draft pool has no pages
+for gets no drafts this step (the target decodes it plainly).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ridge.engine.request import Sequence
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ridge.engine.spec.rejection import draft_probs, sample_probs
 from ridge.engine.spec.proposer import Proposal
+from ridge.engine.structured import mask_rows
 
 
 def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConfig, ModelConfig]:
@@ -76,6 +78,21 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list, limits: list[int]) -> Proposal:
+        """Under a grammar, each draft is drawn from q masked by the grammar's state after the
+        drafts before it (the sequence's matcher walks them and is rolled back at the end), the
+        mask the verification puts on p at that position: every draft is one the grammar allows
+        (speculator.verify says why q must be masked rather than its drafts cut), and a sequence
+        whose grammar a draft ends drafts no further."""
+        grammars = [seq.grammar for seq in seqs]
+        walked = [0] * len(seqs)
+        try:
+            return self._propose(seqs, limits, grammars, walked)
+        finally:
+            for g, n in zip(grammars, walked):
+                if n:
+                    g.rollback(n)
+
+    def _propose(self, seqs: list, limits: list[int], grammars: list, walked: list[int]) -> Proposal:
         states = [self._sync(seq) for seq in seqs]
         k, vocab = max(limits), self.runner.model_cfg.vocab_size
         probs = torch.zeros(len(seqs), k, vocab, device=self.runner.device)
@@ -96,6 +113,7 @@ class DraftModelProposer:
             drafted = [item.seq for _, item in items]
             for _, item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
+            mask_rows(fwd.logits, [grammars[r] for r, _ in items])
             batch = self.runner.sampling_batch(drafted, vocab, self.eos_ids)
             q = draft_probs(fwd.logits, batch)
             tokens = sample_probs(q, batch.seeds, batch.steps)
@@ -103,7 +121,13 @@ class DraftModelProposer:
             probs[index, j] = q
             rows = []
             for (r, _), tok in zip(items, tokens.tolist()):
+                g = grammars[r]
+                if g is not None:
+                    if not g.accept_token(tok):
+                        continue                # outside the mask (no token allowed): no draft here
+                    walked[r] += 1
                 out[r].append(tok)
                 states[r].token_ids.append(tok)
-                rows.append(r)
+                if g is None or not g.is_terminated():
+                    rows.append(r)
         return Proposal(out, probs)

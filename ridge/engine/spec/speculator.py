@@ -32,6 +32,14 @@ tokens, so a seeded request speculates the same way alone or in any batch; the b
 and the step clock would break that, so a seeded request that samples (temperature > 0) is
 exempt from both (its overhead is OVERHEAD). Greedy
 requests give plain decoding's tokens whether they speculate or not.
+
+Structured outputs. A sequence held to a grammar speculates too: `plan` cuts its drafts at the first
+one the grammar rejects and after one that ends it (structured.allowed_drafts), and `verify` masks
+each of its k + 1 rows with the grammar's state after the drafts before that row (mask_runs) before
+anything reads them; a draft model draws from q masked the same way. Mask filling walks the matcher
+and rolls it back; only the commit of each emitted token advances it, so a rejected draft leaves
+nothing to undo, and a grammar that ends inside an accepted run ends the sequence there as a stop
+token does (Committer.commit_runs). Greedy outputs under a grammar are plain decoding's.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from ridge.engine.spec.ngram import NgramProposer
 from ridge.engine.spec.proposer import Proposal, Proposer
 from ridge.engine.spec.rejection import target_probs, verify
 from ridge.engine.spec.suffix import SuffixProposer
+from ridge.engine.structured import allowed_drafts, mask_runs
 from ridge.layers.cost import StepShape
 from ridge.layers.sampler import info_on_host, logprob_info
 from ridge.runner.model_runner import plain_greedy
@@ -133,8 +142,6 @@ class Speculator:
             return 0
         if seq.status != SeqStatus.RUNNING or seq.num_output_tokens < p.min_tokens:   # min_tokens bans stops
             return 0                                                                   # per position
-        if seq.grammar is not None:       # drafts are not checked against a structured output's grammar
-            return 0
         if (batch > self.cutoff or not self.clock.pays(batch)) and not (p.seed is not None and p.temperature > 0):
             return 0
         acc = self.acceptance.get(seq.seq_id)
@@ -181,7 +188,10 @@ class Speculator:
         self.proposal = self.proposer.propose(seqs, limits)
         self.counters.propose_seconds += time.perf_counter() - t0
         for row, (seq, tokens, lim) in enumerate(zip(seqs, self.proposal.tokens, limits)):
-            seq.draft_token_ids = list(tokens[:lim])
+            drafts = list(tokens[:lim])
+            if seq.grammar is not None:     # cut at the first draft its grammar rejects (see verify)
+                drafts = drafts[:allowed_drafts(seq.grammar, drafts)]
+            seq.draft_token_ids = drafts
             self.rows[seq.seq_id] = row
             self.proposed.add(seq.seq_id)
 
@@ -189,8 +199,21 @@ class Speculator:
     def verify(self, items: list, logits: torch.Tensor) -> tuple[list[list[int]], list[list[tuple | None]]]:
         """items: the step's scheduled items with drafts; logits: their rows, num_draft + 1 each,
         in order. Returns each item's emitted tokens and, per emitted token, its logprob info
-        (the sampler's (chosen, rank, top values, top ids) for that row, or None)."""
+        (the sampler's (chosen, rank, top values, top ids) for that row, or None).
+
+        Under a grammar (structured outputs) each row is first masked with the grammar's state after
+        the drafts before it (mask_runs), so p at position i is the constrained distribution plain
+        decoding would sample there had drafts[:i] been emitted, and what follows holds for it:
+        rejection sampling is exact for any q, and its accepted, resampled (max(0, p - q): zero
+        where p is) and bonus tokens all lie within the grammar. The drafts were cut (plan) at the
+        first one the grammar rejects and after one that ends it. The cut changes nothing: a point
+        mass on x with p(x) = 0 is rejected for sure and its residual is p itself, the bonus draw a
+        cut row gets; a draft model draws from q masked by the same states (draft_model.py), so it
+        never proposes such a draft (an unmasked q cut there would be biased: a draft outside the
+        grammar says q's mass went there, and p instead of the residual over-weights q's choices);
+        drafts after the grammar's end count only if its end is accepted, and the sequence ends there."""
         seqs = [i.seq for i in items]
+        mask_runs(logits, seqs, [s.draft_token_ids[:i.num_draft] for s, i in zip(seqs, items)])
         if all(map(plain_greedy, seqs)):
             return self._verify_greedy(items, logits)
         n, k, vocab, dev = len(items), max(i.num_draft for i in items), logits.shape[-1], logits.device
