@@ -18,17 +18,12 @@ from ridge import LLM, SamplingParams
 from ridge.assets import demo_model_path
 from ridge.engine.spec.proposer import Proposal
 from ridge.engine.structured import Grammars, StructuredOutputsParams, allowed_drafts, fill_run_bitmask
+from tests.engine.test_structured_outputs import CHOICE, GRAMMAR, REGEX, SCHEMA
 
 DEMO = demo_model_path()
 DRAFT = os.path.join(os.path.dirname(DEMO), "demo-code-3m")
 CONFIGS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
            "draft": {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3}}
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
-REGEX = r"[a-z]{2,5}_[0-9]{1,3}"
-CHOICE = ["yes", "no", "it depends"]
-GRAMMAR = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]*'
 VALUES = {"json": SCHEMA, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR}
 # prompts whose context holds text of the kind, so that prompt lookup finds drafts
 PROMPTS = {"json": 'x = {"name": "point", "size": 12, "tags": ["a", "b"]}\ny = {"name": "line", "size": 3, '
