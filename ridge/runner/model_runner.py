@@ -85,6 +85,10 @@ class ModelRunner:
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
+        # called as hidden_sink(sched, plan, rows) after every step's forward, before the next one can
+        # overwrite `captured` (capture_hidden): an EAGLE-3 proposer's record of the target's states
+        self.hidden_sink = None
+        self.captured: torch.Tensor | None = None
         if workers is not None:
             workers.before_leaving.append(self.release_graphs)
 
@@ -95,6 +99,27 @@ class ModelRunner:
         for o in self.step_observers:
             o.on_step_end(phase, arg)
         return out
+
+    def capture_hidden(self, layer_ids: tuple[int, ...], rows: int) -> torch.Tensor:
+        """Have every forward write the input stream of the given layers (LlamaModel.capture_layers)
+        into a buffer this runner owns, [rows, len(layer_ids) * hidden] in the model's dtype, rows
+        >= the most tokens a step runs. Called before start(), so the graphs capture the writes and
+        the KV budget is measured with the buffer allocated."""
+        self.captured = torch.empty(rows, len(layer_ids) * self.model_cfg.hidden_size, dtype=self.cfg.dtype,
+                                    device=self.device)
+        self.model.model.capture_layers(layer_ids, self.captured)
+        return self.captured
+
+    def item_rows(self, sched, plan: StepPlan) -> list[tuple[int, int]]:
+        """(first row, rows) of each scheduled item's tokens in the forward's outputs (and in
+        `captured`): the flat batch's query starts, a decode graph's row per sequence, a verify
+        graph's `queries` rows per sequence (its padding after each item's tokens)."""
+        items = sched.scheduled
+        if plan.kind == DECODE:
+            return [(r, 1) for r in range(len(items))]
+        if plan.kind == VERIFY:
+            return [(r * self.verify_graphs.queries, i.num_new_tokens) for r, i in enumerate(items)]
+        return [(plan.query_starts[r], i.num_new_tokens) for r, i in enumerate(items)]
 
     def kv_element_bytes(self) -> float | None:
         """Bytes per cached element (its row's scale included) when the cache is not in the model
@@ -285,6 +310,8 @@ class ModelRunner:
             out = self.run(plan, tokens)
         else:
             out = self.workers.step(plan, lambda: self.run(plan, tokens))
+        if self.hidden_sink is not None:
+            self.hidden_sink(sched, plan, self.item_rows(sched, plan))
         out.prompt_logprobs = [(seq, first + lo, targets, info) for (seq, first), chunks in zip(scored, out.scores)
                                for lo, targets, info in chunks]
         return out
