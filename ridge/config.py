@@ -17,14 +17,16 @@ from ridge.model_config import ModelConfig, parse_dtype
 from ridge.parallel import launched
 from ridge.settings import setting
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")      # the methods that load a draft checkpoint
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model), "suffix"
-    (suffix decoding over the sequence and earlier outputs, no model) or "draft_model" (`model`: a
-    checkpoint with the target's vocabulary); `num_speculative_tokens` (k, the most drafts a step);
+    (suffix decoding over the sequence and earlier outputs, no model), "draft_model" (`model`: a
+    checkpoint with the target's vocabulary) or "eagle3" (`model`: an EAGLE-3 head trained on the
+    target's hidden states; ridge/engine/spec/eagle.py); `num_speculative_tokens` (k, the most drafts a step);
     prompt_lookup_min/max (the n-gram lengths tried, longest first); suffix_decoding_* (the longest
     match considered, drafts per matched token, the least path frequency a draft continues at, the
     finished outputs kept; ridge/engine/spec/suffix.py);
@@ -68,9 +70,9 @@ class SpeculativeConfig:
         if spec.prompt_lookup_max < spec.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max ({spec.prompt_lookup_max}) must be >= prompt_lookup_min "
                              f"({spec.prompt_lookup_min})")
-        if (spec.method == "draft_model") != (spec.model is not None) or not isinstance(spec.model, (str, type(None))):
-            raise ValueError(f"model: method 'draft_model' needs the draft checkpoint's directory (a path), and only it "
-                             f"takes one; got {spec.model!r} for {spec.method!r}")
+        if (spec.method in MODEL_METHODS) != (spec.model is not None) or not isinstance(spec.model, (str, type(None))):
+            raise ValueError(f"model: methods 'draft_model' and 'eagle3' need the draft checkpoint's directory (a path), "
+                             f"and only they take one; got {spec.model!r} for {spec.method!r}")
         return spec
 
 
@@ -185,7 +187,7 @@ class EngineConfig:
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
         None, parse=_json_object,
-        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, '
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3", "num_speculative_tokens": k, '
              '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 24, '
              '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1, '
              '"suffix_decoding_max_cached_requests": 10000, "disable_by_batch_size": B}',
@@ -253,16 +255,32 @@ class EngineConfig:
             # on a CPU the Triton kernels run only under Triton's interpreter (tests): say so now
             raise ValueError(f"attention_backend: 'triton' needs a CUDA device, and this engine runs on {dev} "
                              f"(use attention_backend='torch' or 'auto')")
+        if model_cfg.eagle is not None:
+            raise ValueError(f"model: {path!r} is an EAGLE-3 draft head ({model_cfg.architecture}); give it as "
+                             f"speculative_config's model with method 'eagle3', beside its target model")
         spec = self.speculation
         if spec is not None and spec.model is not None:
-            draft = ModelConfig.from_dir(model_dir(spec.model))
-            if draft.vocab_size != model_cfg.vocab_size:
-                raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
-                                 f"the target's ({model_cfg.vocab_size})")
+            self._check_draft(ModelConfig.from_dir(model_dir(spec.model)), model_cfg)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model_cfg, dev)
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
                                    max_model_len=max_len), model_cfg
+
+    def _check_draft(self, draft: ModelConfig, target: ModelConfig) -> None:
+        """A speculative_config model against the target (ValueError naming the key)."""
+        method = self.speculation.method
+        if (draft.eagle is not None) != (method == "eagle3"):
+            raise ValueError(f"speculative_config: {self.speculation.model!r} is "
+                             f"{'an EAGLE-3 head: use method eagle3' if draft.eagle else 'not an EAGLE-3 head'} "
+                             f"(got method {method!r})")
+        if draft.eagle is not None:
+            try:
+                draft.eagle.check_target(draft, target)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+        elif draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
+                             f"the target's ({target.vocab_size})")
 
     def _check_tensor_parallel(self, m: ModelConfig, dev: torch.device) -> None:
         """What ridge splits so far: the Llama family's heads and MLP columns (experts' too); INT4
@@ -270,7 +288,7 @@ class EngineConfig:
         tp, name = self.tensor_parallel_size, "tensor_parallel_size"
         spec = self.speculation
         unsupported = ("latent attention (DeepSeek)" if m.mla is not None else
-                       "speculative decoding with a draft model" if spec and spec.method == "draft_model" else None)
+                       "speculative decoding with a draft model" if spec and spec.method in MODEL_METHODS else None)
         if unsupported:
             raise ValueError(f"{name}: {unsupported} cannot run tensor-parallel yet (got {tp})")
         widths = (("the number of attention heads", m.num_heads), ("the MLP's intermediate size", m.intermediate_size))

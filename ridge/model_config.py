@@ -24,6 +24,9 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
 )
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# EAGLE-3 draft heads (docs/eagle3-design.md): the original layout's names (vLLM maps both) and the
+# speculators library's; a head is loaded only as a speculative_config model, never as the model
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -139,6 +142,75 @@ class MLAConfig:
                    raw["v_head_dim"], interleaved, scale)
 
 
+@dataclass(frozen=True)
+class Eagle3Config:
+    """What makes an EAGLE-3 head's config.json more than a one-layer Llama's: `draft_vocab_size`
+    (its LM head's rows; d2t maps them to target ids), `target_hidden_size` (the width of each of
+    the target's captured states; fc reads their concatenation), `aux_layer_ids` (the target
+    layers whose input stream is captured; None: the target's default, (2, L // 2, L - 3)) and
+    `norm_before_residual` (the speculators library's variant: the fused state is normalised
+    before it becomes the residual). The speculators layout nests the Llama keys in
+    `transformer_layer_config` and defaults norm_before_residual to true, as vLLM reads it."""
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None
+    norm_before_residual: bool
+
+    num_aux = property(lambda self: len(self.aux_layer_ids) if self.aux_layer_ids is not None else 3)
+
+    @staticmethod
+    def flatten(raw: dict) -> dict:
+        """A speculators config's Llama keys brought to the top (its own keys win)."""
+        layer = raw.get("transformer_layer_config")
+        return {**layer, **{k: v for k, v in raw.items() if k != "transformer_layer_config"}} \
+            if isinstance(layer, dict) else raw
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Eagle3Config":
+        eagle = raw.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ValueError(f"model: eagle_config must be an object, got {eagle!r}")
+        if not eagle.get("use_aux_hidden_state", True):
+            raise ValueError("model: eagle_config.use_aux_hidden_state is false (an EAGLE-1/2 head reading the "
+                             "target's last state); ridge runs EAGLE-3 heads, which read three captured layers")
+        if raw["num_hidden_layers"] != 1:
+            raise ValueError(f"model: num_hidden_layers of an EAGLE-3 head must be 1 (ridge runs one-layer heads), "
+                             f"got {raw['num_hidden_layers']}")
+        vocab, hidden = raw["vocab_size"], raw["hidden_size"]
+        draft_vocab = raw.get("draft_vocab_size") or vocab
+        if not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab:
+            raise ValueError(f"model: draft_vocab_size must be an integer in [1, vocab_size={vocab}], got {draft_vocab!r}")
+        target_hidden = raw.get("target_hidden_size") or hidden
+        ids = raw.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+        if ids is not None and (not isinstance(ids, list) or not ids
+                                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise ValueError(f"model: eagle_aux_hidden_state_layer_ids must be a list of layer ids >= 0, got {ids!r}")
+        speculators = "transformer_layer_config" in raw or "speculators_model_type" in raw
+        return cls(draft_vocab, target_hidden, tuple(ids) if ids is not None else None,
+                   bool(raw.get("norm_before_residual", speculators)))
+
+    def layer_ids(self, target_layers: int) -> tuple[int, ...]:
+        """The target layers whose input stream the head reads (id L: the stream after the last)."""
+        return self.aux_layer_ids if self.aux_layer_ids is not None else \
+            (2, target_layers // 2, target_layers - 3)
+
+    def check_target(self, head: "ModelConfig", target: "ModelConfig") -> None:
+        """ValueError naming the key where this head cannot draft for `target`."""
+        if head.vocab_size != target.vocab_size:
+            raise ValueError(f"vocab_size: the EAGLE-3 head's ({head.vocab_size}) must be the target's "
+                             f"({target.vocab_size}); draft_vocab_size is its own")
+        if self.target_hidden_size != target.hidden_size:
+            raise ValueError(f"target_hidden_size: the EAGLE-3 head reads states {self.target_hidden_size} wide, "
+                             f"the target's hidden_size is {target.hidden_size}")
+        if head.hidden_size != target.hidden_size:
+            raise ValueError(f"hidden_size: the EAGLE-3 head's ({head.hidden_size}) must be the target's "
+                             f"({target.hidden_size}): it embeds its tokens with the target's table")
+        ids = self.layer_ids(target.num_layers)
+        if min(ids) < 0 or max(ids) > target.num_layers:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(ids)} must lie in [0, {target.num_layers}] "
+                             f"(the target's layers; {target.num_layers}: after the last)")
+
+
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") + DEEPSEEK_ARCHITECTURES
 
 
@@ -185,6 +257,7 @@ class ModelConfig:
     quantization_config: dict | None = None   # config.json's, as written (AWQ, GPTQ, compressed-tensors)
     moe: MoEConfig | None = None              # routing, for a mixture-of-experts architecture
     mla: MLAConfig | None = None              # DeepSeek's latent attention (head_dim: its rotary part)
+    eagle: Eagle3Config | None = None         # an EAGLE-3 draft head's own keys
 
     @property
     def q_size(self) -> int:
@@ -214,12 +287,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, generation_config: dict | None = None) -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES + EAGLE3_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"model: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"ridge supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"ridge supports {', '.join(SUPPORTED_ARCHITECTURES)} (and EAGLE-3 heads as draft models)"
             )
+        if arch in EAGLE3_ARCHITECTURES:
+            raw = Eagle3Config.flatten(raw)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in raw:
                 raise ValueError(f"model: config.json is missing {key!r}")
@@ -273,6 +348,7 @@ class ModelConfig:
             quantization_config=raw.get("quantization_config"),
             moe=MoEConfig.from_dict(arch, raw) if arch in MOE_ARCHITECTURES else None,
             mla=MLAConfig.from_dict(arch, raw, rope_scaling) if arch in DEEPSEEK_ARCHITECTURES else None,
+            eagle=Eagle3Config.from_dict(raw) if arch in EAGLE3_ARCHITECTURES else None,
         )
 
 

@@ -1,8 +1,9 @@
 """Speculative decoding benchmarks (issue 17), four parts; JSON to --json, a table last.
 
-  demo    the demo pair (demo-code-12m, drafts from demo-code-3m; and n-gram lookup) on held-out stdlib
-          prompts: acceptance rate and mean accepted length per k, tokens/s with and without
-          speculation, batch 1 (requests one after another).
+  demo    the demo model's proposers (the EAGLE-3 head demo-code-12m-eagle3, the draft model
+          demo-code-3m, n-gram lookup) on held-out stdlib prompts: acceptance rate and mean accepted
+          length per k, the cost of a draft token, tokens/s with and without speculation, batch 1
+          (requests one after another; spec_demo.py).
   agent   an agent-style workload for suffix decoding: turns of edits of the same held-out files
           (turn t: the file's first --prompt-len tokens with t one-token edits in its second half),
           requests one after another; plain decoding, suffix decoding and n-gram lookup, each on a
@@ -46,66 +47,7 @@ from ridge.engine.spec.clock import StepClock  # noqa: E402
 from ridge.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from ridge.engine.spec.proposer import Proposal  # noqa: E402
 from ridge.utils.graph_timing import elapsed_ms  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed_generate(llm, prompts, params) -> tuple[float, list]:
-    sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    return time.perf_counter() - t0, outs
-
-
-def heldout_prompts(model: str, n: int, length: int) -> list[list[int]]:
-    from ridge.engine.llm import load_tokenizer
-    from ridge.eval_ppl import heldout_files
-    llm_tok = load_tokenizer(model)
-    prompts = []
-    for path in heldout_files(model)[:n]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids = llm_tok.encode(f.read())
-        if len(ids) > length:
-            prompts.append(ids[:length])
-    return prompts
-
-
-def run_demo(a) -> dict:
-    target = demo_model_path()
-    draft = os.path.join(os.path.dirname(target), "demo-code-3m")
-    prompts = heldout_prompts(target, a.prompts, a.prompt_len)
-    params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
-    rows = []
-    plain = LLM(target, show_progress=False, max_model_len=1024)
-    timed_generate(plain, prompts[:1], params)
-    plain_s = sum(timed_generate(plain, [p], params)[0] for p in prompts)
-    del plain
-    for method in ("draft_model", "ngram"):
-        for k in a.ks:
-            cfg = {"method": method, "num_speculative_tokens": k, **({"model": draft} if method == "draft_model" else {})}
-            for forced in (True, False):      # drafts every step / as the engine's step clock decides
-                llm = LLM(target, show_progress=False, max_model_len=1024, speculative_config=cfg)
-                if forced:              # every step, k from acceptance at the model's overhead
-                    clock = llm.engine.speculator.clock
-                    clock.pays, clock.overhead = (lambda batch: True), (lambda batch, draft_cost=0.0: None)
-                timed_generate(llm, prompts[:1], params)
-                s0 = llm.engine.stats()
-                secs = sum(timed_generate(llm, [p], params)[0] for p in prompts)
-                s1 = llm.engine.stats()
-                drafts = s1.spec_num_drafts - s0.spec_num_drafts
-                proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
-                accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
-                rows.append(dict(method=method, k=k, clock="forced" if forced else "adaptive",
-                                 acceptance_rate=accepted / proposed if proposed else None,
-                                 mean_accepted_length=1 + accepted / drafts if drafts else None, drafts=drafts,
-                                 tokens_per_s=len(prompts) * a.output_len / secs,
-                                 plain_tokens_per_s=len(prompts) * a.output_len / plain_s, speedup=plain_s / secs))
-                del llm
-    return dict(part="demo", prompts=len(prompts), prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
+from benchmarks.engine.spec_demo import METHODS, heldout_prompts, run_demo, timed_generate  # noqa: E402
 
 
 def agent_prompts(model: str, files: int, turns: int, length: int) -> list[list[int]]:
@@ -372,6 +314,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=("demo", "agent", "verify", "oracle"))
     p.add_argument("--model", default=None)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="demo: the proposers")
+    p.add_argument("--head", default=None, help="demo: the EAGLE-3 head (default: the bundled demo-code-12m-eagle3)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--quantization", default=None, choices=("int4", "fp8"), help="verify / oracle: the weights' precision")
     p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8"), help="verify / oracle: the KV cache's")

@@ -28,6 +28,10 @@ class PageAllocator:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_pages))
         self.cached: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        # an EAGLE-3 head's cached entry at a page's last position was computed from the token after
+        # it: only a hit that the next page also matched can be trusted, so the last hit is dropped
+        # and recomputed (the target's states for it then reach the head); set by the proposer
+        self.recompute_last_hit = False
 
     num_free_pages = property(lambda self: len(self.free_queue))
 
@@ -46,7 +50,7 @@ class PageAllocator:
             if page is None:
                 break
             hits.append(page)
-        return hits
+        return hits[:-1] if self.recompute_last_hit else hits
 
     def register_full_pages(self, seq: Sequence) -> None:
         """Hash the pages that became full with this step's tokens and offer them to others."""
@@ -94,6 +98,26 @@ class PageAllocator:
                 seq.page_table[i] = new
         while len(seq.page_table) < self.pages_for(end):
             seq.page_table.append(self._pop_free())
+
+    def reserve(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]] | None:
+        """Make pages for positions [start, end) exist and be private to `seq`, like allocate but
+        from `start` (which may lie before num_computed_tokens), for a draft head writing its own
+        entries on the target's page numbers. Returns the copy-on-write copies, which the caller
+        performs at once on every pool that mirrors these pages, or None (nothing changed) when
+        the pool has too few free pages."""
+        table, last = seq.page_table, self.pages_for(end)
+        shared = [i for i in range(start // self.page_size, min(len(table), last)) if self.ref_counts[table[i]] > 1]
+        if len(shared) + max(0, last - len(table)) > self.num_free_pages:
+            return None
+        copies = []
+        for i in shared:
+            new = self._pop_free()
+            copies.append((table[i], new))
+            self._unref(table[i])
+            table[i] = new
+        while len(table) < last:
+            table.append(self._pop_free())
+        return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for b in parent.page_table:

@@ -140,6 +140,13 @@ class Attention(PagedAttention):
         return self.backend.attend(q, k, v, kv_cache.k, kv_cache.v, meta, self.scale, self.sliding_window,
                                    kv_scales=kv_scales)
 
+    def write_kv(self, positions, q, k, v, kv_cache: KVPages, slot_mapping: torch.Tensor) -> None:
+        """Only the rotation and the cache write of forward, no attention: for a layer whose cached
+        entries depend on its input alone (an EAGLE-3 head catching up on positions whose output
+        nobody reads)."""
+        self.backend.rope_write_kv(positions, q, k, v, self.rotary.cos, self.rotary.sin, kv_cache.k, kv_cache.v,
+                                   slot_mapping, kv_cache.scales, self.backend.kv_rotation)
+
     def cost(self, step: StepShape) -> list[OpCost]:
         """rope_kv_write: q*cos + rotate(q)*sin, 3 FLOPs an element of q and k; reads q, k, v and the
         cos/sin tables (head_dim/2 distinct values of each a position), writes the rotated q and k

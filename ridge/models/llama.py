@@ -47,12 +47,13 @@ class LlamaAttention(nn.Module):
     qkv_proj is column-parallel by heads, o_proj row-parallel over the same heads."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None):
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, in_features: int | None = None):
+        """in_features: the width qkv_proj reads (default hidden_size; an EAGLE-3 head's is 2 x hidden)."""
         super().__init__()
         self.cfg, d = cfg, cfg.head_dim
         self.heads, self.kv_heads, first_q, first_kv = rank_heads(cfg.num_heads, cfg.num_kv_heads, tp)
         kv_rows = (first_kv * d, self.kv_heads * d)
-        self.qkv_proj = Linear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
                                bias=cfg.qkv_bias, quant=quant, tp=tp, parallel="column",
                                slices={"q": (first_q * d, self.heads * d), "k": kv_rows, "v": kv_rows})
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, quant=quant, tp=tp, parallel="row")
@@ -66,13 +67,21 @@ class LlamaAttention(nn.Module):
         """The one projection reading the block's input (the norm before it may hand it quantized)."""
         return self.qkv_proj
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+    def _qkv(self, x):
         d, q_size, kv_size = self.cfg.head_dim, self.heads * self.cfg.head_dim, self.kv_heads * self.cfg.head_dim
         q, k, v = (t.view(-1, n, d) for t, n in zip(self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1),
                                                     (self.heads, self.kv_heads, self.kv_heads)))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, q_size))
+        return q, k, v
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        q, k, v = self._qkv(x)
+        return self.o_proj(self.attn(positions, q, k, v, kv_cache, meta).view(-1, q.shape[1] * q.shape[2]))
+
+    def write_kv(self, positions, x, kv_cache, slot_mapping: torch.Tensor) -> None:
+        """The cache entries of x's rows, without attending (Attention.write_kv)."""
+        self.attn.write_kv(positions, *self._qkv(x), kv_cache, slot_mapping)
 
     def cost(self, step: StepShape) -> list[OpCost]:
         out = child("qkv_proj", self.qkv_proj.cost(step, name="qkv_proj"))
@@ -121,11 +130,41 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i, tp, quant)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # layer id -> the column blocks of `captured` its input stream goes to (capture_layers); empty:
+        # nothing is captured and the forward pays one dict test a layer
+        self.captures: dict[int, list[int]] = {}
+        self.captured: torch.Tensor | None = None
+
+    def capture_layers(self, layer_ids: tuple[int, ...], out: torch.Tensor) -> None:
+        """From now on every forward writes the residual stream entering layer i (x + residual, before
+        any norm: transformers' hidden_states[i]; i = num_layers: after the last layer) of each
+        id in layer_ids into rows [0, T) of `out` [rows, len(layer_ids) * hidden], block s for
+        layer_ids[s]. `out` is a fixed buffer, so the decode and verify CUDA graphs capture the
+        writes as they are (an EAGLE-3 head reads them; docs/eagle3-design.md)."""
+        self.captures = {}
+        for slot, i in enumerate(layer_ids):
+            self.captures.setdefault(i, []).append(slot)
+        self.captured = out
+
+    def _capture(self, i: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        T, H = x.shape[0], x.shape[-1]
+        if T > self.captured.shape[0]:
+            raise RuntimeError(f"capture_layers: a step of {T} tokens, the buffer holds {self.captured.shape[0]}")
+        for slot in self.captures.get(i, ()):
+            out = self.captured[:T, slot * H:(slot + 1) * H]
+            if residual is None:
+                out.copy_(x)
+            else:
+                torch.add(x, residual, out=out)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.captures:
+                self._capture(i, x, residual)
             x, residual = layer(positions, x, residual, kv_cache, meta)
+        if self.captures:
+            self._capture(len(self.layers), x, residual)
         return self.norm(x, residual)[0]
 
     def cost(self, step: StepShape) -> list[OpCost]:
@@ -136,6 +175,10 @@ class LlamaModel(nn.Module):
         out += child("embed_tokens", all_reduce_cost("embed.all_reduce", T, w.shape[1], step, self.embed_tokens.tp.size))
         for i, layer in enumerate(self.layers):
             out += child(f"layers.{i}", layer.cost(step, first=i == 0))
+        blocks = sum(map(len, self.captures.values()))
+        if blocks:          # capture_layers: x + residual read, the sum written, per captured block
+            out.append(OpCost("capture", "elementwise", T * row * blocks / w.element_size(), 3 * T * row * blocks,
+                              compute=step.act.compute, module="captured"))
         # the final norm's residual output is never read, so it is not written
         return out + child("norm", self.norm.cost(step, residual=True, residual_out=False), "final_norm")
 

@@ -133,11 +133,20 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
     reader: a stored quantized format's (ridge/layers/quant/registry.py), whose StoredWeights are
     dequantized unless their parameter keeps the format (`takes_stored`). drop_zero_biases: a
     quantized checkpoint's all-zero biases of layers that have none are skipped."""
+    files = checkpoint_files(path)
+    if callable(getattr(model, "expect_checkpoint", None)):
+        # a model whose parameters depend on what the checkpoint holds (an EAGLE-3 head's own
+        # embedding or fc bias) is told the tensor names first
+        names = set()
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names.update(f.keys())
+        model.expect_checkpoint(names)
     params = dict(model.named_parameters())
     expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shard_ids", None) or (None,))}
     loaded = set()
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not show_progress) as bar:
-        for file in checkpoint_files(path):
+        for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     tensor = None
@@ -154,6 +163,8 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                     if cfg.mla is not None and _layer_index(name) >= cfg.num_layers:
                         continue        # DeepSeek-V3's multi-token-prediction layers: transformers skips them too
                     pname, shard = model.checkpoint_slot(name)
+                    if pname is None:
+                        continue            # a tensor the model does not use (an EAGLE-3 head's t2d)
                     if (pname, shard) not in expected:
                         if drop_zero_biases and name.endswith(".bias") and not f.get_tensor(name).any():
                             continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)

@@ -21,6 +21,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.kernels.attention_meta import AttentionMetadata
 from ridge.kernels.kv_fp8 import FP8 as KV_FP8, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
+from ridge.runner.sampling_inputs import sampling_batch
 from ridge.runner.step_message import DECODE, EAGER, VERIFY, StepPlan
 from ridge.layers.attention import kv_cache_spec_of, select_backend
 from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
@@ -84,6 +85,10 @@ class ModelRunner:
         # objects told when each execute / sample starts and ends: on_step_start(phase, arg),
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
+        # called as hidden_sink(sched, plan, rows) after every step's forward, before the next one can
+        # overwrite `captured` (capture_hidden): an EAGLE-3 proposer's record of the target's states
+        self.hidden_sink = None
+        self.captured: torch.Tensor | None = None
         if workers is not None:
             workers.before_leaving.append(self.release_graphs)
 
@@ -94,6 +99,27 @@ class ModelRunner:
         for o in self.step_observers:
             o.on_step_end(phase, arg)
         return out
+
+    def capture_hidden(self, layer_ids: tuple[int, ...], rows: int) -> torch.Tensor:
+        """Have every forward write the input stream of the given layers (LlamaModel.capture_layers)
+        into a buffer this runner owns, [rows, len(layer_ids) * hidden] in the model's dtype, rows
+        >= the most tokens a step runs. Called before start(), so the graphs capture the writes and
+        the KV budget is measured with the buffer allocated."""
+        self.captured = torch.empty(rows, len(layer_ids) * self.model_cfg.hidden_size, dtype=self.cfg.dtype,
+                                    device=self.device)
+        self.model.model.capture_layers(layer_ids, self.captured)
+        return self.captured
+
+    def item_rows(self, sched, plan: StepPlan) -> list[tuple[int, int]]:
+        """(first row, rows) of each scheduled item's tokens in the forward's outputs (and in
+        `captured`): the flat batch's query starts, a decode graph's row per sequence, a verify
+        graph's `queries` rows per sequence (its padding after each item's tokens)."""
+        items = sched.scheduled
+        if plan.kind == DECODE:
+            return [(r, 1) for r in range(len(items))]
+        if plan.kind == VERIFY:
+            return [(r * self.verify_graphs.queries, i.num_new_tokens) for r, i in enumerate(items)]
+        return [(plan.query_starts[r], i.num_new_tokens) for r, i in enumerate(items)]
 
     def kv_element_bytes(self) -> float | None:
         """Bytes per cached element (its row's scale included) when the cache is not in the model
@@ -284,6 +310,8 @@ class ModelRunner:
             out = self.run(plan, tokens)
         else:
             out = self.workers.step(plan, lambda: self.run(plan, tokens))
+        if self.hidden_sink is not None:
+            self.hidden_sink(sched, plan, self.item_rows(sched, plan))
         out.prompt_logprobs = [(seq, first + lo, targets, info) for (seq, first), chunks in zip(scored, out.scores)
                                for lo, targets, info in chunks]
         return out
@@ -359,36 +387,6 @@ class ModelRunner:
         return sample(logits, self.sampling_batch(seqs, logits.shape[-1], eos_ids))
 
     def sampling_batch(self, seqs: list, vocab: int, eos_ids: list[int]) -> SamplingBatch:
-        """Per-row parameters as device tensors. Every host->device copy goes through pinned
-        memory without blocking, so building the batch never waits for the GPU."""
-        to_dev, ps, n = self.to_device, [s.request.params for s in seqs], len(seqs)
-
-        def scatter_mask(pairs: list[tuple[int, int]]) -> torch.Tensor:
-            """[n, vocab] float32 with 1 at (row, token) for each pair (repeats add up)."""
-            t = torch.zeros(n * vocab, dtype=torch.float32, device=self.device)
-            if pairs:
-                flat = to_dev([r * vocab + tok for r, tok in pairs], torch.int64)
-                t.index_add_(0, flat, torch.ones(len(pairs), dtype=torch.float32, device=self.device))
-            return t.view(n, vocab)
-
-        wants_penalty = any(p.presence_penalty or p.frequency_penalty for p in ps)
-        wants_repetition = any(p.repetition_penalty != 1.0 for p in ps)
-        counts = seen = banned = None
-        if wants_penalty or wants_repetition:
-            counts = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.output_token_ids])
-        if wants_repetition:
-            prompt = scatter_mask([(i, t) for i, s in enumerate(seqs) for t in s.token_ids[:s.num_prompt_tokens]])
-            seen = (counts > 0) | (prompt > 0)
-        ban = [(i, t) for i, (s, p) in enumerate(zip(seqs, ps)) if s.num_output_tokens < p.min_tokens
-               for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_ids) if t < vocab]
-        if ban:
-            banned = scatter_mask(ban) > 0
-        f32 = {k: to_dev([getattr(p, k) for p in ps], torch.float32) for k in (
-            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
-        i64 = {"top_k": [p.top_k if p.top_k > 0 else vocab for p in ps], "seeds": [s.seed for s in seqs],
-               "steps": [s.num_output_tokens for s in seqs]}
-        return SamplingBatch(
-            **f32, **{k: to_dev(v, torch.int64) for k, v in i64.items()},
-            output_counts=counts if wants_penalty else None, seen_mask=seen, banned=banned,
-            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
-            all_greedy=all(p.temperature == 0 for p in ps))
+        """Per-row parameters as device tensors (ridge/runner/sampling_inputs.py), copied through
+        pinned memory without blocking."""
+        return sampling_batch(seqs, vocab, eos_ids, self.to_device, self.device)

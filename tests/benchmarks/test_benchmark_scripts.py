@@ -18,7 +18,7 @@ from tests.tests_support import REPO as ROOT
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(BENCH, "*.py")) + glob.glob(os.path.join(BENCH, "*", "*.py"))
                  if os.path.basename(p) != "__init__.py")
-LIBRARIES = ("timing.py", "case_study_serve.py", "case_study_story.py", "tp_scale.py")          # imported by the scripts, not run
+LIBRARIES = ("timing.py", "case_study_serve.py", "case_study_story.py", "tp_scale.py", "spec_demo.py")          # imported by the scripts, not run
 
 
 def load(name: str):

@@ -1,7 +1,7 @@
-"""Bundled checkpoints are named, not pathed: "demo-code-12m" and "demo-code-3m" resolve beside
-ridge's own files from any working directory (and so from an installed package), for the model
-and for the draft model alike; a name that is neither a directory nor a bundled model is refused
-with the setting's name and the names that exist."""
+"""Bundled checkpoints are named, not pathed: "demo-code-12m", "demo-code-3m" and the EAGLE-3 head
+"demo-code-12m-eagle3" resolve beside ridge's own files from any working directory (and so from an
+installed package), for the model and for the draft model or head alike; a name that is neither a
+directory nor a bundled model is refused with the setting's name and the names that exist."""
 from __future__ import annotations
 
 import os
@@ -19,8 +19,8 @@ def elsewhere(tmp_path, monkeypatch):
 
 
 def test_bundled_names_resolve_from_any_directory(elsewhere):
-    assert {"demo-code-12m", "demo-code-3m"} <= set(bundled_models())
-    for name in ("demo-code-12m", "demo-code-3m"):
+    assert {"demo-code-12m", "demo-code-3m", "demo-code-12m-eagle3"} <= set(bundled_models())
+    for name in ("demo-code-12m", "demo-code-3m", "demo-code-12m-eagle3"):
         assert not os.path.exists(name)
         assert model_dir(name) == os.path.join(ASSETS, name)
     assert model_dir(None) == os.path.join(ASSETS, "demo-code-12m")
@@ -32,7 +32,8 @@ def test_a_directory_is_taken_before_a_bundled_name(elsewhere):
 
 
 def test_an_unknown_name_names_the_bundled_models(elsewhere):
-    with pytest.raises(ValueError, match=r"^model: 'no-such-model' is neither a directory .*demo-code-12m, demo-code-3m"):
+    with pytest.raises(ValueError, match=r"^model: 'no-such-model' is neither a directory "
+                       r".*demo-code-12m, demo-code-12m-eagle3, demo-code-3m"):
         model_dir("no-such-model")
 
 

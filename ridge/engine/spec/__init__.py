@@ -4,7 +4,8 @@ context around the step) and it calls down only: into the proposers and the runn
   speculator.py   which sequences draft this step and how many (the batch cutoff, each sequence's
                   measured acceptance), the verification of a step's drafts, build_speculator
   proposer.py     the proposer interface; ngram.py (prompt lookup), draft_model.py (a small model
-                  on a runner and page pool of its own)
+                  on a runner and page pool of its own), eagle.py (an EAGLE-3 head reading the
+                  target's hidden states, its cache on the target's page numbers), suffix.py
   rejection.py    exact rejection sampling in torch: the target's distribution per position, the
                   accept / resample rule, the draws of a draft model
   clock.py        the step clock: a verify step's cost in plain decode steps, from the timed steps

@@ -129,6 +129,12 @@ class Speculator:
         self.proposed: set[int] = set()         # sequences the proposer may keep state for
         self.counters = SpecCounters(spec.method)   # totals since start (ridge/engine/spec/metrics.py)
 
+    def attach(self, pages) -> None:
+        """The engine's page allocator, for a proposer that writes on the target's pages (EAGLE-3)."""
+        attach = getattr(self.proposer, "attach", None)
+        if attach is not None:
+            attach(pages)
+
     def step(self, scheduler, committer, overlapped: bool) -> "SpecStep":
         """The engine's one call per step, before its schedule: the step's speculation (a context
         around the step; see SpecStep)."""
@@ -340,11 +346,15 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
                                               spec.suffix_decoding_min_token_prob,
                                               spec.suffix_decoding_max_cached_requests), 0.0
     else:
-        from ridge.engine.spec.draft_model import DraftModelProposer, draft_config
         from ridge.runner.model_runner import ModelRunner
-        draft_cfg, draft_model_cfg = draft_config(cfg, spec)
-        draft_runner = ModelRunner(draft_cfg, draft_model_cfg, show_progress=show_progress)
-        proposer = DraftModelProposer(draft_runner, eos)
+        if spec.method == "eagle3":
+            from ridge.engine.spec.eagle import Eagle3Proposer, head_config
+            draft_runner = ModelRunner(*head_config(cfg, spec), show_progress=show_progress)
+            proposer = Eagle3Proposer(draft_runner, runner, eos, spec.num_speculative_tokens)
+        else:
+            from ridge.engine.spec.draft_model import DraftModelProposer, draft_config
+            draft_runner = ModelRunner(*draft_config(cfg, spec), show_progress=show_progress)
+            proposer = DraftModelProposer(draft_runner, eos)
         one = StepShape((1,), (1,), dtype=cfg.dtype)
         draft_cost = sum(c.param_bytes for c in draft_runner.model.cost(one)) / \
             sum(c.param_bytes for c in runner.model.cost(one))
