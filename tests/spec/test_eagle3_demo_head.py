@@ -71,3 +71,21 @@ def test_the_training_script_writes_a_head_ridge_loads(plain_tokens, tmp_path, m
         outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         assert llm.engine.stats().spec_num_drafts > 0
     assert outs[0].outputs[0].token_ids == plain_tokens[0]
+
+
+def test_under_a_grammar_the_head_drafts_for_greedy_requests_only():
+    """The head draws its drafts from q on the device without the grammar's masks: greedy requests
+    under a grammar take its drafts (greedy acceptance reads no q) and keep plain decoding's tokens;
+    sampling ones take none (a cut draw from an unmasked q would bias rejection sampling)."""
+    regex = {"regex": r"(def|class) [a-z_]{3,12}\(self(, [a-z]{1,6}){0,3}\):"}
+    greedy = SamplingParams(max_tokens=24, temperature=0, structured_outputs=regex)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=5, structured_outputs=regex)
+    with engine() as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    spec = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 4}
+    with drafting_every_step(engine(spec)) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_drafts for o in outs) > 0
+        out = llm.generate(PROMPTS[0], sampled, use_tqdm=False)[0]
+        assert out.metrics.num_drafts == 0 and out.outputs[0].finish_reason == "stop"

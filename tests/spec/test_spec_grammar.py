@@ -150,6 +150,7 @@ def test_greedy_under_grammars_is_plain_decoding_with_drafts_accepted(proposer, 
 
 class Oracle:
     """Drafts a scripted continuation: `script(seq)` gives the tokens after the sequence's own."""
+    masks_grammar = True      # point masses
 
     def __init__(self, script):
         self.script = script

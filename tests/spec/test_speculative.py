@@ -278,6 +278,7 @@ def test_abort_and_pages_mid_run():
 
 class Wrong:
     """A proposer a benchmark might plug in: always the same (wrong) token."""
+    masks_grammar = True      # point masses
 
     def __init__(self):
         self.calls = 0
@@ -377,6 +378,7 @@ def test_gpu_greedy_follows_plain_decoding(proposer):
 class Slow:
     """Proposes the right tokens (a recorded continuation), but slowly: each proposal moves the
     engine's step clock on by `seconds` (no real sleep, so no CPU load can make it look fast)."""
+    masks_grammar = True      # point masses
 
     def __init__(self, records, clock, seconds=10.0):
         self.records, self.clock, self.seconds = records, clock, seconds

@@ -39,6 +39,7 @@ def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConf
 
 
 class DraftModelProposer:
+    masks_grammar = True     # q is drawn under the grammar's masks
     def __init__(self, runner, eos_ids: list[int]):
         self.runner, self.eos_ids = runner, eos_ids
         self.pages: PageAllocator | None = None

@@ -56,6 +56,7 @@ def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> l
 class NgramProposer:
     """The configured proposer: prompt_lookup_min / prompt_lookup_max / num_speculative_tokens
     are vLLM's names for min_n / max_n / k."""
+    masks_grammar = True     # point masses
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int):
         for name, value in (("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max),

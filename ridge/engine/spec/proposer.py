@@ -12,6 +12,12 @@ A sequence as the proposer sees it: `seq_id`, `token_ids` (prompt and output so 
 continues it), `num_prompt_tokens`, `num_output_tokens`, `seed`, `request.params` (SamplingParams).
 A proposer that keeps per-sequence state (a draft model's KV cache) drops it in `release`, called
 with the ids of sequences that finished or were preempted.
+
+Under a structured output's grammar a sequence's drafts are cut at the first one the grammar
+rejects. That keeps rejection sampling exact for point masses and for a q drawn under the grammar's
+masks (`masks_grammar`: the draft model masks q as the target's p is masked); a sampled draw from
+an unmasked q, cut, would bias it, so a sampling request under a grammar takes no drafts from a
+proposer without `masks_grammar` (greedy ones do: greedy acceptance reads no q).
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    masks_grammar: bool       # its drafts keep rejection sampling exact under a grammar (above)
+
     def propose(self, seqs: list, limits: list[int]) -> Proposal: ...
 
     def release(self, seq_ids: set[int]) -> None: ...

@@ -121,6 +121,7 @@ class SuffixProposer:
     """The configured proposer: vLLM's suffix_decoding_max_tree_depth / _max_spec_factor /
     _min_token_prob / _max_cached_requests (0: no cache of earlier outputs). The most drafts a step
     (num_speculative_tokens) is the speculator's limit for each sequence."""
+    masks_grammar = True     # point masses
 
     def __init__(self, max_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  max_cached_requests: int = 10000):
