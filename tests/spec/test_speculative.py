@@ -17,6 +17,7 @@ DEMO = demo_model_path()
 DRAFT = os.path.join(os.path.dirname(DEMO), "demo-code-3m")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+EAGLE3 = {"method": "eagle3", "model": "demo-code-12m-eagle3", "num_speculative_tokens": 4}   # the demo model's head
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -25,7 +26,7 @@ def draft_model(path, k=3):
 
 
 def config_of(proposer: str, draft: str) -> dict:
-    return {"ngram": NGRAM, "suffix": SUFFIX}.get(proposer) or draft_model(draft)
+    return {"ngram": NGRAM, "suffix": SUFFIX, "eagle3": EAGLE3}.get(proposer) or draft_model(draft)
 
 
 def repetitive(salt: int, n: int = 40) -> list[int]:
@@ -361,7 +362,7 @@ def test_counters_per_position_and_draft_cost(demo_plain):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft", "eagle3"])
 def test_gpu_greedy_follows_plain_decoding(proposer):
     """On the GPU (bf16, Triton kernels, decode graphs): a verify step's logits come from other
     kernels than a decode step's, so a near-tie may flip late in a run, never early."""

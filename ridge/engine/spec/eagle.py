@@ -94,6 +94,7 @@ def known_tokens(seq, drafts: list[int], lo: int, hi: int) -> list[int]:
 
 class Eagle3Proposer:
     masks_grammar = False    # q is drawn on the device without the grammar's masks (Proposer)
+
     def __init__(self, runner, target_runner, eos_ids: list[int], num_speculative_tokens: int):
         """runner: the head's (ModelRunner on the head checkpoint); target_runner: the target's, before
         its start() (the capture buffer is allocated before the KV budget is measured and captured
