@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 from tests.spec.eagle3_reference import ReferenceHead, target_states, write_echo_head, write_head
-from tests.spec.test_speculative import _accept_all, _chi2_quantile, _second_tokens, _two_sample_chi2, llm
+from tests.spec.spec_support import llm
+from tests.spec.test_speculative import _accept_all, _chi2_quantile, _second_tokens, _two_sample_chi2
 from tests.tests_support import prompt_of
 
 from ridge import LLM, SamplingParams
