@@ -10,7 +10,7 @@ import time
 import torch
 
 from ridge.engine.request import Logprob, Request, Sequence
-from ridge.engine.structured import advance
+from ridge.engine.structured import advance, arm_after
 from ridge.engine.token_text import TokenTexts
 
 
@@ -76,10 +76,10 @@ class Committer:
         """Why `tok`, the sequence's token number `length`, ends it (None: it does not)."""
         params = seq.request.params
         num_output = length - seq.num_prompt_tokens
+        before = len(seq.text)
         if tok in (params.stop_token_ids or []) or (not params.ignore_eos and tok in self.eos_ids):
             return "stop"     # min_tokens is enforced by banning these tokens until then
         if seq.detokenizer is not None:
-            before = len(seq.text)
             seq.text += seq.detokenizer.step(self.tokenizer.backend_tokenizer, tok) or ""
             if params.stop_strings and num_output >= params.min_tokens:
                 # a stop string can only end inside the new piece: search from just before it
@@ -88,8 +88,11 @@ class Committer:
                 if hits:
                     seq.text = seq.text[:min(hits)]
                     return "stop"
-        if seq.grammar is not None and advance(seq, tok):
-            return "stop"     # the structured output is complete
+        if seq.grammar is not None:
+            if seq.grammar_after is not None:
+                arm_after(seq, before)      # the grammar holds the tokens after this one
+            elif advance(seq, tok):
+                return "stop"     # the structured output is complete
         if num_output >= seq.request.max_tokens or length >= self.max_model_len:
             return "length"
         return None

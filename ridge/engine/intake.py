@@ -82,6 +82,7 @@ class Intake:
                            logprobs=[] if params.logprobs is not None else None,
                            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None and j == 0 else None)
             seq.grammar = matchers[j] if matchers is not None else None
+            seq.grammar_after = params.structured_outputs.start_after if matchers is not None else None
             if self.tokenizer is not None:      # emits text once a whole UTF-8 piece is known
                 seq.detokenizer = DecodeStream(skip_special_tokens=params.skip_special_tokens)
             req.seqs.append(seq)

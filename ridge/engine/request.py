@@ -60,6 +60,7 @@ class Sequence:
     # the proposer's guesses for the tokens after token_ids, verified by this step (speculation)
     draft_token_ids: list[int] = field(default_factory=list)
     grammar: object = None      # structured outputs: its matcher (ridge/engine/structured.py), or None
+    grammar_after: str | None = None    # the text its grammar waits for (StructuredOutputsParams.start_after)
 
     output_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)

@@ -28,18 +28,24 @@ class StructuredOutputError(ValueError):
 class StructuredOutputsParams:
     """vLLM's `structured_outputs` (SamplingParams): exactly one of a JSON schema (`json`, a dict or
     its JSON text), `json_object` (any JSON object), `regex`, `choice` (one of these strings) or
-    `grammar` (EBNF, XGrammar's dialect of GBNF)."""
+    `grammar` (EBNF, XGrammar's dialect of GBNF). ridge's `start_after`: the grammar holds the output
+    only once this text has appeared in it (a reasoning model's `</think>`: the server sets it under a
+    --reasoning-parser whose output opens in the reasoning, as vLLM waits for the reasoning to end);
+    until then, and for the rest of the token that completes it, the output is free."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    start_after: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(given) or 'none'}")
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise StructuredOutputError(f"structured_outputs.start_after: a non-empty string, got {self.start_after!r}")
         kind = given[0]
         if kind == "json":
             if isinstance(self.json, str):
@@ -66,7 +72,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise StructuredOutputError(f"structured_outputs: an object with one of json, json_object, regex, choice, "
                              f"grammar, got {type(value).__name__}")
-        unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object", "start_after"}
         if unknown:
             raise StructuredOutputError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
         return cls(**value)
@@ -130,7 +136,7 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """Disallowed tokens' logits to -inf, in place, for each row whose sequence has a matcher."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        rows = [i for i, s in enumerate(seqs) if constrained(s) and not s.is_finished]
         if not rows:
             return
         bitmask = self._host_bitmask(len(seqs), logits.is_cuda)
@@ -157,6 +163,19 @@ class Grammars:
         elif self._copied is not None:
             self._copied.synchronize()
         return self._bitmask[:rows]
+
+
+def constrained(seq) -> bool:
+    """The sequence's grammar holds its next token (it has one, and it waits for no start text)."""
+    return seq.grammar is not None and seq.grammar_after is None
+
+
+def arm_after(seq, before: int) -> None:
+    """A waiting grammar starts once its start text is in the output: `before`, the text's length
+    before the token just committed (the text can only have appeared across it)."""
+    after = seq.grammar_after
+    if seq.text.find(after, max(0, before - len(after) + 1)) >= 0:
+        seq.grammar_after = None
 
 
 def advance(seq, token: int) -> bool:
@@ -224,11 +243,11 @@ def mask_runs(logits: torch.Tensor, seqs: list, runs: list[list[int]]) -> None:
     """A verify step's masks, in place: `logits` holds len(run) + 1 rows per sequence, in order (row
     i scores the token after the sequence's run[:i]); a constrained sequence's rows are masked with
     its grammar after run[:i] (fill_run_bitmask), a free sequence's are left alone."""
-    if not any(s.grammar is not None for s in seqs):
+    if not any(map(constrained, seqs)):
         return
     bitmask, rows, at = _bitmask(logits.shape[0], logits), [], 0
     for seq, run in zip(seqs, runs):
-        if seq.grammar is not None and not seq.is_finished:
+        if constrained(seq) and not seq.is_finished:
             rows += range(at, at + fill_run_bitmask(seq.grammar, run, bitmask, at))
         at += len(run) + 1
     _apply(logits, bitmask, rows)

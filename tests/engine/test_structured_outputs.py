@@ -192,9 +192,10 @@ def test_the_mask_allows_exactly_each_matchers_tokens_and_leaves_other_rows(demo
             matcher.fill_next_token_bitmask(row)
             allowed = [t for t in range(vocab) if (row[0, t // 32] >> (t % 32)) & 1]
             assert matcher.accept_token(allowed[int(torch.randint(len(allowed), (1,), generator=gen))])
-        seqs.append(SimpleNamespace(grammar=matcher, is_finished=False))
-    seqs.insert(1, SimpleNamespace(grammar=None, is_finished=False))
-    seqs.append(SimpleNamespace(grammar=grammars.matcher(StructuredOutputsParams(regex=REGEX)), is_finished=True))
+        seqs.append(SimpleNamespace(grammar=matcher, grammar_after=None, is_finished=False))
+    seqs.insert(1, SimpleNamespace(grammar=None, grammar_after=None, is_finished=False))
+    seqs.append(SimpleNamespace(grammar=grammars.matcher(StructuredOutputsParams(regex=REGEX)), grammar_after=None,
+                               is_finished=True))
     logits = torch.randn(len(seqs), vocab, generator=gen)
     masked = logits.clone()
     grammars.mask(masked, seqs)
@@ -207,3 +208,29 @@ def test_the_mask_allows_exactly_each_matchers_tokens_and_leaves_other_rows(demo
         bits = torch.tensor([(int(row[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
         assert torch.equal(masked[i][bits], logits[i][bits]) and bool((masked[i][~bits] == float("-inf")).all())
         assert 0 < int(bits.sum()) < vocab
+
+
+def test_a_grammar_that_starts_after_a_text_leaves_the_output_free_until_then(demo):
+    """structured_outputs.start_after (what the server sets under a reasoning parser whose output opens
+    in the reasoning: `</think>`): the tokens up to the one that completes the text are free (plain
+    decoding's, greedy), the rest is held to the grammar; with speculation the same tokens."""
+    prompt, k = PROMPTS[0], 6
+    free = demo.generate(prompt, SamplingParams(max_tokens=k, temperature=0), use_tqdm=False)[0].outputs[0]
+    start = free.text                      # the text of the first k free tokens: found at the k-th
+    assert start and len(free.token_ids) == k
+    after = {"regex": REGEX, "start_after": start}
+    out = demo.generate(prompt, SamplingParams(max_tokens=64, temperature=0, structured_outputs=after),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:k] == free.token_ids and out.finish_reason == "stop"
+    assert out.text.startswith(start) and re.fullmatch(REGEX, out.text[len(start):]), out.text
+    sampled = demo.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, structured_outputs=after),
+                            use_tqdm=False)[0].outputs[0]
+    at = sampled.text.find(start)          # a draw reaches the start text later, or not at all
+    assert at < 0 and sampled.finish_reason == "length" or re.fullmatch(REGEX, sampled.text[at + len(start):])
+    spec = LLM(DEMO, device="cpu", show_progress=False, max_model_len=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    again = spec.generate(prompt, SamplingParams(max_tokens=64, temperature=0, structured_outputs=after),
+                          use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == out.token_ids
+    with pytest.raises(ValueError, match="structured_outputs.start_after"):
+        SamplingParams(structured_outputs={"regex": REGEX, "start_after": ""})

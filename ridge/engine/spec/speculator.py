@@ -150,6 +150,8 @@ class Speculator:
             return 0                                                                   # per position
         if (batch > self.cutoff or not self.clock.pays(batch)) and not (p.seed is not None and p.temperature > 0):
             return 0
+        if seq.grammar is not None and seq.grammar_after is not None:
+            return 0          # its grammar starts inside the text to come: drafts could not be checked
         if seq.grammar is not None and not self.proposer.masks_grammar and not plain_greedy(seq):
             return 0          # a cut draw from an unmasked q would bias the sampling (proposer.py)
         acc = self.acceptance.get(seq.seq_id)
