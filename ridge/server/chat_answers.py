@@ -5,10 +5,12 @@ call the model drafts while it thinks is never made.
 
 The reasoning split applies to free text (no tools, tool_choice "none" or "auto"). A forced call's
 output is the JSON its grammar writes from the first token, so it has no reasoning to split. Under a
-request's own structured output (response_format, structured_outputs, guided_*) the grammar also
-holds the output from its first token (ridge does not wait for the reasoning to end before it
-applies it, as vLLM does): there the output is reasoning only where it opens with the start tag,
-which only a grammar that writes one can produce, whatever the parser; the rest is content.
+request's own structured output (response_format, structured_outputs, guided_*) and a parser whose
+output opens in the reasoning (deepseek_r1), the grammar waits for the reasoning to end, as vLLM's
+does: the request's structured output gets start_after = the end tag, so the model thinks freely and
+the grammar holds what follows `</think>`. Under qwen3 (reasoning only after an opening `<think>`) the
+grammar holds the output from its first token: the output is reasoning only where the grammar
+itself writes the start tag.
 """
 from __future__ import annotations
 
@@ -25,16 +27,19 @@ class ChatReader:
     that applies to it (None: no split)."""
     tools: ToolPlan | None = None
     reasoning: ReasoningParser | None = None
-    implicit: bool = True                # the parser's template-opened reasoning counts (no structured output)
+    implicit: bool = True                # the parser's template-opened reasoning counts
     shows_reasoning: bool = False        # the server has a reasoning parser: messages carry its fields
+    grammar_after: str | None = None     # the request's grammar waits for this text (the reasoning's end)
 
     @classmethod
     def of(cls, req, tool_call_parser: str | None, reasoning_parser: str | None) -> "ChatReader":
         plan = ToolPlan.of(req, tool_call_parser)
         parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
         forced = plan is not None and plan.mode in ("named", "required")
-        return cls(plan, None if forced else parser, implicit=req.structured()[0] is None,
-                   shows_reasoning=parser is not None)
+        structured = req.structured()[0] is not None
+        waits = parser is not None and not forced and structured and parser.opens_in_reasoning
+        return cls(plan, None if forced else parser, implicit=not structured or waits,
+                   shows_reasoning=parser is not None, grammar_after=parser.end_tag if waits else None)
 
     @property
     def keeps_special_tokens(self) -> bool:

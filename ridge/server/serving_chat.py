@@ -6,6 +6,7 @@ then tool calls: a forced choice is held to its shape by a structured output, "a
 server's --tool-call-parser (chat_tools.py)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -31,6 +32,8 @@ class ChatServing(OpenAIServing):
         reader = ChatReader.of(req, self.cfg.tool_call_parser, self.cfg.reasoning_parser)
         extra = {"skip_special_tokens": False} if reader.keeps_special_tokens else {}
         params = self.params(req, max_tokens, top if req.logprobs else None, rename, **extra)
+        if reader.grammar_after is not None:      # the grammar holds the answer after the reasoning
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, start_after=reader.grammar_after)
         group = RequestGroup(self.client, self.metrics, f"chatcmpl-{uuid.uuid4().hex}")
         prompt = ChatPrompt([m.as_template_input() for m in req.messages], req.tool_definitions)
         await group.submit([prompt], params, rename)

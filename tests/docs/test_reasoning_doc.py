@@ -1,5 +1,5 @@
 """docs/reasoning.md's examples, run as written against the server its `ridge serve` line builds (the
-bundled demo model with --reasoning-parser deepseek_r1); only the address moves to a free port."""
+bundled demo model with --reasoning-parser qwen3); only the address moves to a free port."""
 from __future__ import annotations
 
 import re
@@ -15,7 +15,7 @@ ANSWER = re.compile(r"\n\nThe answer is [0-9]\.")
 @pytest.fixture(scope="module")
 def doc_server():
     with PAGE.server() as (cfg, url, port):
-        assert cfg.reasoning_parser == "deepseek_r1"
+        assert cfg.reasoning_parser == "qwen3"
         yield url, port
 
 

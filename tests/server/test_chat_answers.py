@@ -107,13 +107,17 @@ def test_a_forced_call_is_not_split():
     assert message.reasoning is None and message.tool_calls[0].function.arguments == '{"city": "Paris"}'
 
 
-def test_under_a_structured_output_reasoning_needs_the_start_tag():
+def test_under_a_structured_output_deepseek_r1_waits_for_the_reasoning_and_qwen3_needs_the_start_tag():
     reader = _reader("deepseek_r1", None, response_format={"type": "json_object"})
-    assert not reader.implicit
+    assert reader.grammar_after == "</think>" and reader.implicit         # the grammar holds the answer only
+    assert reader.message('\nhm\n</think>\n\n{"a": 1}', "stop")[0].model_dump(include={"content", "reasoning"}) == \
+           {"content": '\n\n{"a": 1}', "reasoning": "\nhm\n"}
+    reader = _reader("qwen3", None, response_format={"type": "json_object"})
+    assert reader.grammar_after is None and _reader("deepseek_r1", None).grammar_after is None
     assert reader.message('{"a": 1}', "stop")[0].model_dump(include={"content", "reasoning"}) == \
            {"content": '{"a": 1}', "reasoning": None}
-    # a grammar that writes the tags (here a regex) gets its reasoning split off as usual
-    reader = _reader("deepseek_r1", tools=[TOOL], structured_outputs={"regex": ".*"})
+    # under qwen3 a grammar that writes the tags (here a regex) gets its reasoning split off as usual
+    reader = _reader("qwen3", tools=[TOOL], structured_outputs={"regex": ".*"})
     message, reason = _check_stream_equals_whole(reader, WITH_TOOLS)
     assert message.reasoning == THOUGHT and reason == "tool_calls"
 
