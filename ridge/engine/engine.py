@@ -63,6 +63,8 @@ class Engine:
         self.intake = Intake(cfg, model_cfg, tokenizer, self.pages.pages_for)
         self.committer = Committer(cfg.max_model_len, self.eos_ids, tokenizer, self.scheduler)
         self.overlap = DecodeOverlap(self.scheduler, runner, cfg.max_model_len, self._sample)
+        if speculator is not None:
+            speculator.attach(self.pages, self.intake.grammars)  # an EAGLE-3 head writes on the target's pages
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.num_decode_steps = 0
@@ -153,7 +155,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list):
         """Sample a row per sequence (`logits`: one row each, masked in place), structured outputs'
         masks applied first."""
-        if self.intake.grammars is not None:
+        if self.intake.grammars is not None and self.intake.grammars.compiled:
             self.intake.grammars.mask(logits, seqs)
         return self.runner.sample(logits, seqs, self.eos_ids)
 

@@ -14,6 +14,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.prompts import PromptEncoder, TokenizedPrompt
 from ridge.engine.request import ContextLengthError, Request, Sequence, SeqStatus
 from ridge.engine.sampling_params import SamplingParams, _is_int
+from ridge.engine.structured import Grammars
 
 
 class Intake:
@@ -23,8 +24,10 @@ class Intake:
         self.pages_for = pages_for                      # tokens -> KV pages they occupy
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
-        self.grammars = None                            # structured outputs' compiler, made when first asked
-        self._grammars_made = threading.Lock()
+        # structured outputs' grammars and masks (None without a tokenizer); XGrammar's tables are made
+        # when the first grammar is compiled
+        self.grammars = Grammars(tokenizer, model_cfg.vocab_size, list(model_cfg.eos_token_ids)) \
+            if tokenizer is not None else None
 
     def compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (None without a structured output), cached: a server calls
@@ -35,10 +38,6 @@ class Intake:
             return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs: needs the model's tokenizer (the engine was made without one)")
-        with self._grammars_made:
-            if self.grammars is None:
-                from ridge.engine.structured import Grammars
-                self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids))
         return self.grammars.compile(so)
 
     def grammar_matchers(self, params: SamplingParams) -> list | None:

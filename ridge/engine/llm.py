@@ -83,8 +83,6 @@ class LLM:
         self._workers = workers
         self._close = weakref.finalize(self, release_devices, workers, [r for r in (runner, draft_runner) if r])
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
-        if speculator is not None:
-            speculator.attach(self.engine.pages)        # an EAGLE-3 head writes on the target's pages
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
         # id -> (the text it contributes, its bytes), as logprobs name tokens; thread safe (a cache of pure results)

@@ -15,6 +15,7 @@ has reached its end finishes the request ("stop"): the output is complete.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -94,13 +95,15 @@ THREADED_FILL_ROWS = 32
 
 
 class Grammars:
-    """Compiles the grammars of one tokenizer (cached by their text) and makes matchers for them."""
+    """Compiles the grammars of one tokenizer (cached by their text), makes matchers for them, and
+    puts their masks on logits: a decode step's (mask), a verify step's (mask_runs) and a draft
+    model's (mask_matchers), all through one host bitmask kept across steps. XGrammar's tokenizer
+    tables are made when the first grammar is compiled (an engine that never sees one never pays)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        import xgrammar as xgr
-        self.xgr, self.vocab_size = xgr, vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info)
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.xgr = self.compiler = None                  # made by the first compile
+        self._made = threading.Lock()                    # a server compiles in worker threads
         self.compiled: dict[tuple[str, str], object] = {}
         self._bitmask: torch.Tensor | None = None       # see _host_bitmask
         self._copied = None                              # a CUDA event: the buffer's last copy has run
@@ -113,6 +116,12 @@ class Grammars:
         if found is not None:
             return found
         kind, text = key
+        with self._made:
+            if self.compiler is None:
+                import xgrammar as xgr
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info)
         c = self.compiler
         try:
             if kind in ("json", "json_object"):
@@ -132,21 +141,44 @@ class Grammars:
         return compiled
 
     def matcher(self, params: StructuredOutputsParams):
-        return self.xgr.GrammarMatcher(self.compile(params))
+        compiled = self.compile(params)                 # first: it makes self.xgr
+        return self.xgr.GrammarMatcher(compiled)
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
-        """Disallowed tokens' logits to -inf, in place, for each row whose sequence has a matcher."""
-        rows = [i for i, s in enumerate(seqs) if constrained(s) and not s.is_finished]
+        """Disallowed tokens' logits to -inf, in place, for each row whose sequence's grammar holds
+        its next token (constrained); the other rows are left as they are."""
+        self.mask_matchers(logits, [s.grammar if constrained(s) and not s.is_finished else None for s in seqs])
+
+    def mask_matchers(self, logits: torch.Tensor, matchers: list) -> None:
+        """Row i masked, in place, with matchers[i]'s current state (None: left alone); a draft
+        model's step passes matchers that have walked the drafts drawn so far."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        bitmask = self._host_bitmask(len(seqs), logits.is_cuda)
+        bitmask = self._host_bitmask(len(matchers), logits.is_cuda)
         if len(rows) < THREADED_FILL_ROWS:    # a row without a matcher is left as it is: `indices` skips it
             for i in rows:
-                seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+                matchers[i].fill_next_token_bitmask(bitmask, i)
         else:
             if self._threads is None:
                 self._threads = self.xgr.BatchGrammarMatcher()
-            self._threads.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
+            self._threads.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, rows)
+        self._apply(logits, bitmask, rows)
+
+    def mask_runs(self, logits: torch.Tensor, seqs: list, runs: list[list[int]]) -> None:
+        """A verify step's masks, in place: `logits` holds len(run) + 1 rows per sequence, in order
+        (row i scores the token after the sequence's run[:i]); a constrained sequence's rows are
+        masked with its grammar after run[:i] (fill_run_bitmask), a free sequence's are left alone."""
+        if not any(constrained(s) and not s.is_finished for s in seqs):
+            return
+        bitmask, rows, at = self._host_bitmask(logits.shape[0], logits.is_cuda), [], 0
+        for seq, run in zip(seqs, runs):
+            if constrained(seq) and not seq.is_finished:
+                rows += range(at, at + fill_run_bitmask(seq.grammar, run, bitmask, at))
+            at += len(run) + 1
+        self._apply(logits, bitmask, rows)
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         on_device = bitmask.to(logits.device, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -226,40 +258,3 @@ def fill_run_bitmask(matcher, drafts: list[int], bitmask: torch.Tensor, row: int
     finally:
         matcher.rollback(walked)
     return filled
-
-
-def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    import xgrammar as xgr
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    vocab_size=logits.shape[-1], indices=rows)
-
-
-def _bitmask(rows: int, logits: torch.Tensor) -> torch.Tensor:
-    # pinned on a GPU: the copy is queued on the stream without waiting for the forward it follows
-    return torch.full((rows, (logits.shape[-1] + 31) // 32), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
-
-
-def mask_runs(logits: torch.Tensor, seqs: list, runs: list[list[int]]) -> None:
-    """A verify step's masks, in place: `logits` holds len(run) + 1 rows per sequence, in order (row
-    i scores the token after the sequence's run[:i]); a constrained sequence's rows are masked with
-    its grammar after run[:i] (fill_run_bitmask), a free sequence's are left alone."""
-    if not any(map(constrained, seqs)):
-        return
-    bitmask, rows, at = _bitmask(logits.shape[0], logits), [], 0
-    for seq, run in zip(seqs, runs):
-        if constrained(seq) and not seq.is_finished:
-            rows += range(at, at + fill_run_bitmask(seq.grammar, run, bitmask, at))
-        at += len(run) + 1
-    _apply(logits, bitmask, rows)
-
-
-def mask_rows(logits: torch.Tensor, matchers: list) -> None:
-    """Row i masked, in place, with matchers[i]'s current state (None: left alone); a draft model's
-    step, whose matchers have walked the drafts drawn so far."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    bitmask = _bitmask(logits.shape[0], logits)
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
-    _apply(logits, bitmask, rows)

@@ -24,7 +24,6 @@ from ridge.engine.request import Sequence
 from ridge.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ridge.engine.spec.rejection import draft_probs, sample_probs
 from ridge.engine.spec.proposer import Proposal
-from ridge.engine.structured import mask_rows
 
 
 def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConfig, ModelConfig]:
@@ -40,9 +39,11 @@ def draft_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConf
 
 class DraftModelProposer:
     masks_grammar = True     # q is drawn under the grammar's masks
+
     def __init__(self, runner, eos_ids: list[int]):
         self.runner, self.eos_ids = runner, eos_ids
         self.pages: PageAllocator | None = None
+        self.grammars = None                        # the engine's (attach): q's masks
         self.states: dict[int, Sequence] = {}       # target seq_id -> the draft model's sequence
         self.seen: dict[int, int] = {}              # target seq_id -> its length when last proposed for
 
@@ -53,6 +54,10 @@ class DraftModelProposer:
         r.warm_up_prefill()
         r.setup_decode(use_graphs=use_graphs)
         self.pages = PageAllocator(num_pages, r.cfg.page_size, enable_prefix_caching=False)
+
+    def attach(self, pages, grammars) -> None:
+        """The engine's Grammars (None without a tokenizer); the target's pages are not the draft's."""
+        self.grammars = grammars
 
     def release(self, seq_ids: set[int]) -> None:
         for i in seq_ids:
@@ -114,7 +119,8 @@ class DraftModelProposer:
             drafted = [item.seq for _, item in items]
             for _, item in items:
                 item.seq.num_computed_tokens += item.num_new_tokens
-            mask_rows(fwd.logits, [grammars[r] for r, _ in items])
+            if self.grammars is not None:
+                self.grammars.mask_matchers(fwd.logits, [grammars[r] for r, _ in items])
             batch = self.runner.sampling_batch(drafted, vocab, self.eos_ids)
             q = draft_probs(fwd.logits, batch)
             tokens = sample_probs(q, batch.seeds, batch.steps)

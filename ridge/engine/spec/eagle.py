@@ -116,8 +116,9 @@ class Eagle3Proposer:
         self.runner.allocate_kv_cache(num_pages)
         self.runner.setup_decode(use_graphs=use_graphs)
 
-    def attach(self, pages: PageAllocator) -> None:
-        """The target's page allocator (the engine's), whose page numbers the head's pool mirrors."""
+    def attach(self, pages: PageAllocator, grammars) -> None:
+        """The target's page allocator (the engine's), whose page numbers the head's pool mirrors
+        (the head's q is not masked by grammars: masks_grammar)."""
         self.pages = pages
         pages.recompute_last_hit = True
 

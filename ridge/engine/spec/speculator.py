@@ -57,7 +57,7 @@ from ridge.engine.spec.ngram import NgramProposer
 from ridge.engine.spec.proposer import Proposal, Proposer
 from ridge.engine.spec.rejection import target_probs, verify
 from ridge.engine.spec.suffix import SuffixProposer
-from ridge.engine.structured import allowed_drafts, mask_runs
+from ridge.engine.structured import allowed_drafts
 from ridge.layers.cost import StepShape
 from ridge.layers.sampler import info_on_host, logprob_info
 from ridge.runner.model_runner import plain_greedy
@@ -128,12 +128,16 @@ class Speculator:
         self.rows: dict[int, int] = {}          # seq_id -> its row in the proposal
         self.proposed: set[int] = set()         # sequences the proposer may keep state for
         self.counters = SpecCounters(spec.method)   # totals since start (ridge/engine/spec/metrics.py)
+        self.grammars = None                        # the engine's (attach): structured outputs' masks
 
-    def attach(self, pages) -> None:
-        """The engine's page allocator, for a proposer that writes on the target's pages (EAGLE-3)."""
+    def attach(self, pages, grammars) -> None:
+        """The engine's page allocator, for a proposer that writes on the target's pages (EAGLE-3),
+        and its Grammars (ridge/engine/structured.py, None without a tokenizer), whose masks verify
+        and a draft model put on their logits."""
+        self.grammars = grammars
         attach = getattr(self.proposer, "attach", None)
         if attach is not None:
-            attach(pages)
+            attach(pages, grammars)
 
     def step(self, scheduler, committer, overlapped: bool) -> "SpecStep":
         """The engine's one call per step, before its schedule: the step's speculation (a context
@@ -212,7 +216,7 @@ class Speculator:
         (the sampler's (chosen, rank, top values, top ids) for that row, or None).
 
         Under a grammar (structured outputs) each row is first masked with the grammar's state after
-        the drafts before it (mask_runs), so p at position i is the constrained distribution plain
+        the drafts before it (Grammars.mask_runs), so p at position i is the constrained distribution plain
         decoding would sample there had drafts[:i] been emitted, and what follows holds for it:
         rejection sampling is exact for any q, and its accepted, resampled (max(0, p - q): zero
         where p is) and bonus tokens all lie within the grammar. The drafts were cut (plan) at the
@@ -223,7 +227,8 @@ class Speculator:
         grammar says q's mass went there, and p instead of the residual over-weights q's choices);
         drafts after the grammar's end count only if its end is accepted, and the sequence ends there."""
         seqs = [i.seq for i in items]
-        mask_runs(logits, seqs, [s.draft_token_ids[:i.num_draft] for s, i in zip(seqs, items)])
+        if self.grammars is not None:
+            self.grammars.mask_runs(logits, seqs, [s.draft_token_ids[:i.num_draft] for s, i in zip(seqs, items)])
         if all(map(plain_greedy, seqs)):
             return self._verify_greedy(items, logits)
         n, k, vocab, dev = len(items), max(i.num_draft for i in items), logits.shape[-1], logits.device
