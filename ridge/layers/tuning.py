@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ridge.utils.device_cache import cache_root, device_key, read_json, write_json
+from ridge.utils.device_cache import cache_root, device_key, locked, read_json, write_json
 from ridge.utils.graph_timing import error_line, graph_time_us
 
 # batch sizes a table is measured at: powers of two where the choice changes fastest (decode sizes)
@@ -73,10 +73,13 @@ def table_file(kind: str, prefix: str, device: torch.device, shape: str) -> str:
 
 def measured(path: str, version: int, buckets: tuple[int, ...], measure: Callable[[tuple[int, ...]], dict]) -> dict:
     """The table cached at path, the buckets it lacks measured now (measure(buckets) -> {str(bucket):
-    entry}) and added to it: a larger step budget later measures only what is new."""
+    entry}) and added to it: a larger step budget later measures only what is new. The table is read
+    again under a lock before it is written, so another process's entries added meanwhile stay."""
     table = read_json(path, version) or {}
     missing = tuple(b for b in buckets if str(b) not in table)
     if missing:
-        table.update(measure(missing))
-        write_json(path, version, table)
+        new = measure(missing)
+        with locked(path):
+            table = {**(read_json(path, version) or {}), **new}
+            write_json(path, version, table)
     return table

@@ -25,13 +25,9 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     out/quantize_report.json). `engine_settings` are EngineConfig fields for the engine that loads
     the model and, for AWQ, runs the calibration text (float32 is the default dtype: the search
     and the folding want full precision, whatever the checkpoint's)."""
-    from ridge import LLM
     from ridge.config import EngineConfig
     from ridge.kernels.int4_matmul import PACK, group_size_error
-    from ridge.quantize.calib import LayerStats, calibration_files, calibration_windows
-    from ridge.quantize.checkpoint import (FORMAT, check_out_dir, quantization_config, quantized_tensors,
-                                           write_checkpoint)
-    from ridge.quantize.plan import plan_model
+    from ridge.quantize.checkpoint import check_out_dir, staged
 
     if method not in METHODS:
         raise ValueError(f"method: must be one of {', '.join(METHODS)}; got {method!r}")
@@ -55,16 +51,35 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
                          f"Llama-family checkpoints only (a mixture-of-experts model quantizes at load: quantization "
                          f"'fp8' or 'int4')")
     check_out_dir(src, out)
-    if method == "fp8":
-        return _write_fp8(src, out, engine_settings, show_progress)
-    for k, name in ((model_cfg.hidden_size, "qkv_proj and gate_up_proj"), (model_cfg.q_size, "o_proj"),
-                    (model_cfg.intermediate_size, "down_proj")):
-        if k % PACK:    # an int32 packs 8 codes along K; a group size not dividing K leaves a short last group
-            raise ValueError(f"model: {k}, the input features of {name}, is not a multiple of {PACK} (INT4 packs "
-                             f"{PACK} an int32)")
-        if group_size_error(group_size, k):     # what the INT4 kernels that load the checkpoint run
-            raise ValueError(f"group_size: {group_size} {group_size_error(group_size, k)}, the input features of "
-                             f"{name}")
+    if method != "fp8":
+        for k, name in ((model_cfg.hidden_size, "qkv_proj and gate_up_proj"), (model_cfg.q_size, "o_proj"),
+                        (model_cfg.intermediate_size, "down_proj")):
+            if k % PACK:    # an int32 packs 8 codes along K; a group size not dividing K leaves a short last group
+                raise ValueError(f"model: {k}, the input features of {name}, is not a multiple of {PACK} (INT4 packs "
+                                 f"{PACK} an int32)")
+            if group_size_error(group_size, k):     # what the INT4 kernels that load the checkpoint run
+                raise ValueError(f"group_size: {group_size} {group_size_error(group_size, k)}, the input features of "
+                                 f"{name}")
+    with staged(out) as tmp:
+        if method == "fp8":
+            summary = _write_fp8(src, tmp, engine_settings, show_progress)
+        else:
+            summary = _write_int4(src, tmp, model_cfg, method, group_size, calib_files, calib_tokens, calib_seq_len,
+                                  engine_settings, show_progress)
+        summary["out"] = out
+        with open(os.path.join(tmp, "quantize_report.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _write_int4(src: str, out: str, model_cfg, method: str, group_size: int, calib_files, calib_tokens: int,
+                calib_seq_len: int, engine_settings: dict, show_progress: bool) -> dict:
+    """INT4 (round-to-nearest or AWQ) into out; the summary of what was done."""
+    from ridge import LLM
+    from ridge.quantize.calib import LayerStats, calibration_files, calibration_windows
+    from ridge.quantize.checkpoint import FORMAT, quantization_config, quantized_tensors, write_checkpoint
+    from ridge.quantize.plan import plan_model
+
     files = calibration_files(src, calib_files) if method == "awq" else []
     llm = LLM(src, show_progress=show_progress,
               **{**engine_settings, "enable_prefix_caching": False,
@@ -83,8 +98,6 @@ def quantize(model: str | None, out: str, method: str = "awq", group_size: int =
     summary = dict(model=src, out=out, method=method, group_size=group_size, format=FORMAT,
                    calib_files=len(files), calib_tokens=sum(map(len, windows)),
                    linears={n: lp.report for n, lp in plan.linears.items() if lp.report})
-    with open(os.path.join(out, "quantize_report.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     return summary
 
 
@@ -99,7 +112,4 @@ def _write_fp8(src: str, out: str, engine_settings: dict, show_progress: bool) -
     with LLM(src, show_progress=show_progress, **{**engine_settings, "enable_prefix_caching": False}) as llm:
         net = llm.engine.runner.model
         write_checkpoint(net, src, out, None, fp8_tensors(net, config), config.to_hf())
-    summary = dict(model=src, out=out, method="fp8", format="HF fp8 (e4m3, 128 x 128 block scales)")
-    with open(os.path.join(out, "quantize_report.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
+    return dict(model=src, out=out, method="fp8", format="HF fp8 (e4m3, 128 x 128 block scales)")

@@ -17,9 +17,11 @@ of the source directory (tokenizer, generation config, heldout_files.txt, ...) i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 from safetensors import safe_open
@@ -45,6 +47,24 @@ def check_out_dir(src: str, out: str) -> None:
         raise ValueError(f"out: {out!r} is the model's own directory; write the quantized checkpoint elsewhere")
     if os.path.isdir(out) and any(f.endswith(".safetensors") for f in os.listdir(out)):
         raise ValueError(f"out: {out!r} already holds a checkpoint; choose a new or empty directory")
+
+
+@contextlib.contextmanager
+def staged(out: str):
+    """A directory beside `out` that the checkpoint is written into; once all of it is written its
+    files move into out (made if need be), the weights last, so that a run that dies part way never
+    leaves a directory that looks like a checkpoint (ridge and transformers take one holding a
+    .safetensors file for one); on a failure it is removed."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.", suffix=".partial", dir=parent)
+    try:
+        yield tmp
+        os.makedirs(out, exist_ok=True)
+        for name in sorted(os.listdir(tmp), key=lambda n: n.endswith(".safetensors")):
+            os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def checkpoint_names(model, ridge_name: str) -> dict[str, str]:

@@ -21,6 +21,7 @@ label, fraction and prediction uses the measured numbers.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import statistics
 import time
@@ -307,6 +308,7 @@ def load_ceilings(device: torch.device | str = "cpu", remeasure: bool = False, r
     try:
         c = Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure))
     except (KeyError, TypeError, ValueError):       # a cache of an older layout: measure again
+        logging.getLogger("ridge").warning("cache file %s holds ceilings of another layout: measuring again", path)
         c = Ceilings.from_dict(cached(path, CACHE_VERSION, measure, remeasure=True))
     if ranks > 1 and str(ranks) not in c.links and link_available(device, ranks):
         c.links[str(ranks)] = measure_link(device.type, ranks)

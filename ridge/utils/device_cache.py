@@ -1,9 +1,17 @@
 """Per-device measurements cached on disk (RIDGE_CACHE_DIR, default ~/.cache/ridge): the roofline's
-ceilings and the FP8 GEMM dispatch table are measured once per GPU (and torch version) and read
-back on every later start."""
+ceilings and the kernels' dispatch tables are measured once per GPU (and torch version) and read
+back on every later start.
+
+Several processes may share the directory (a server's workers, two servers on one host): a file
+is written whole to a temporary name and renamed over the old one, so a reader sees the old file
+or the new one, never half of one; a file that is unreadable or of another version is measured
+again, with a warning naming it (a crash while writing, a ridge of another release)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import platform
 import re
@@ -38,14 +46,28 @@ def cache_root() -> str:
     return os.environ.get("RIDGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ridge")
 
 
+log = logging.getLogger("ridge")
+
+
 def read_json(path: str, version: int) -> dict | None:
-    """The cached payload at path if it is readable and of this version, else None."""
+    """The cached payload at path if it is readable and of this version, else None (nothing cached
+    yet, or a file to measure again: a warning says which and why)."""
     try:
         with open(path) as f:
             raw = json.load(f)
-        return raw["payload"] if raw.get("version") == version else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None                                # unreadable cache: measure again
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("cache file %s is unreadable (%s): measuring again", path, e)
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("payload"), dict):
+        log.warning("cache file %s is not a ridge cache (no payload): measuring again", path)
+        return None
+    if raw.get("version") != version:
+        log.warning("cache file %s is of version %r, this ridge writes %r: measuring again",
+                    path, raw.get("version"), version)
+        return None
+    return raw["payload"]
 
 
 def write_json(path: str, version: int, payload: dict) -> None:
@@ -55,6 +77,19 @@ def write_json(path: str, version: int, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(dict(version=version, payload=payload), f, indent=2)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """Hold an advisory lock beside path (path + ".lock") for a read-merge-write, so two processes
+    adding entries to one table keep both's."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cached(path: str, version: int, measure: Callable[[], dict], remeasure: bool = False) -> dict:

@@ -354,3 +354,28 @@ def test_eval_ppl_compare_reference_runs_in_full_precision(checkpoints, tmp_path
     got, float_run = json.loads(out.read_text()), json.loads(plain.read_text())
     assert got["reference_perplexity"] == pytest.approx(float_run["perplexity"], rel=1e-6)
     assert 0 < got["kl_divergence"] < 0.05 and got["perplexity"] != float_run["perplexity"]
+
+
+def test_a_run_that_dies_part_way_leaves_no_checkpoint(checkpoints, tmp_path, monkeypatch):
+    """The checkpoint is written beside `out` and moved in once whole (weights last): a run killed
+    while writing leaves no directory that loads as a checkpoint and no partial files; a whole run
+    leaves out with its report and nothing beside it."""
+    import ridge.quantize.checkpoint as ckpt
+    from ridge.quantize import quantize
+
+    src, out = checkpoints("llama"), str(tmp_path / "out")
+    real = ckpt.shutil.copy2
+
+    def dies(*args, **kw):          # the weights and config are written, the tokenizer files not yet
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.shutil, "copy2", dies)
+    with pytest.raises(OSError, match="disk full"):
+        quantize(src, out, method="rtn", group_size=GROUP, device="cpu", show_progress=False)
+    assert sorted(os.listdir(tmp_path)) == []
+    monkeypatch.setattr(ckpt.shutil, "copy2", real)
+    summary = quantize(src, out, method="rtn", group_size=GROUP, device="cpu", show_progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["out"] and summary["out"] == out
+    with open(os.path.join(out, "quantize_report.json")) as f:
+        assert json.load(f)["out"] == out
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(out))
