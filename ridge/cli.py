@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ridge.quantize.command import add_quantize_parser
     add_quantize_parser(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, soak")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from ridge.bench.latency import add_latency_parser
     from ridge.bench.throughput import add_throughput_parser
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_parser(bench_sub)
     from ridge.bench.serve import add_serve_bench_parser
     add_serve_bench_parser(bench_sub)
+    from ridge.bench.soak import add_soak_bench_parser
+    add_soak_bench_parser(bench_sub)
     return ap
 
 

@@ -122,11 +122,20 @@ def summarize_run(results: list[RequestResult], duration: float, slo_ttft: float
 
 
 async def _one(client, model: str, req: BenchRequest, temperature: float) -> RequestResult:
-    res = RequestResult(req.input_len, req.output_len)
     body = dict(model=model, prompt=req.prompt_token_ids, max_tokens=req.output_len, temperature=temperature,
-                ignore_eos=True, stream=True, stream_options={"include_usage": True})
+                ignore_eos=True, stream=True)
+    return await stream_completion(client, body, RequestResult(req.input_len, req.output_len))
+
+
+async def stream_completion(client, body: dict, res: RequestResult, cancel_after: int | None = None,
+                            texts: dict[int, str] | None = None) -> RequestResult:
+    """A streamed /v1/completions call (`body`, usage asked for) timed into `res`: TTFT, the gaps
+    between token events, e2e, the usage count, or the error (an HTTP status with the API's message,
+    an error event, a stream cut before [DONE]). `cancel_after`: the client hangs up after that many
+    token events (a user's cancel); `texts`: each choice's text, by index, gathered here."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    last = None
+    last, events, done = None, 0, False
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -142,6 +151,7 @@ async def _one(client, model: str, req: BenchRequest, temperature: float) -> Req
                     continue
                 data = line[6:]
                 if data == "[DONE]":
+                    done = True
                     break
                 event = json.loads(data)
                 if "error" in event:
@@ -153,12 +163,19 @@ async def _one(client, model: str, req: BenchRequest, temperature: float) -> Req
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
-                    last = now
+                    last, events = now, events + 1
+                    if texts is not None:
+                        for c in event["choices"]:
+                            texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
+                    if cancel_after is not None and events >= cancel_after:
+                        return res
                 if event.get("usage"):
                     res.output_tokens = event["usage"]["completion_tokens"]
         res.e2e = time.perf_counter() - t0
         if res.ttft is None:
             res.error = "no token was streamed"
+        elif not done:
+            res.error = "the stream ended without [DONE]"
     except Exception as e:            # noqa: BLE001 - a failed request is a result, not a crash of the run
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
@@ -183,7 +200,7 @@ async def _run(base_url: str, headers: dict, model: str, reqs: list[BenchRequest
         return list(results), time.perf_counter() - start
 
 
-def _server_model(base_url: str, headers: dict, timeout: float) -> dict:
+def server_model(base_url: str, headers: dict, timeout: float) -> dict:
     import httpx
 
     try:
@@ -214,7 +231,7 @@ def run_serve_bench(a: argparse.Namespace) -> dict:
             raise ValueError(f"{name}: must be > 0, got {value}")
     key = a.api_key or os.environ.get("RIDGE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    card = _server_model(a.base_url, headers, a.timeout)
+    card = server_model(a.base_url, headers, a.timeout)
     model = a.model or card["id"]
     vocab = a.vocab_size or card.get("vocab_size")
     if not vocab:
