@@ -42,14 +42,17 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     import json
 
     from ridge import LLM
-    from ridge.eval_ppl import compare, heldout_files, perplexity
+    from ridge.config import model_dir
+    from ridge.eval_ppl import check_files, compare, heldout_files, perplexity
 
     cfg = settings.from_args(EngineConfig, a)
     if a.compare and cfg.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size: --compare reads the model's hidden states in this process; run it "
                          f"with 1 (got {cfg.tensor_parallel_size})")
+    # the inputs are checked before the model loads: a typo costs a moment, not a load
+    files = a.files or heldout_files(model_dir(cfg.model))
+    check_files(files)
     llm = LLM(show_progress=False, **cfg.as_kwargs())
-    files = a.files or heldout_files(llm.engine.cfg.model)
     if a.compare:
         # the reference runs under the same engine settings but in full precision: its weights are
         # the compared checkpoint's, read as they are stored, and its KV cache is in the model dtype
@@ -72,8 +75,17 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors shown alone: argparse prints the whole usage block (every
+    engine flag) before the one line that says what was wrong. Subcommands' parsers are this class
+    too (add_subparsers makes its parsers of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ridge", description="ridge: an LLM inference engine in Python and Triton")
+    ap = Parser(prog="ridge", description="ridge: an LLM inference engine in Python and Triton")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")

@@ -204,6 +204,11 @@ class EngineConfig:
     distributed_timeout_seconds: float = setting(
         300.0, above=0, help="with tensor_parallel_size > 1: a collective that waits longer than this for a rank "
                              "fails the engine (a hung rank); a rank that dies is reported at once")
+    num_cpu_threads: int | None = setting(
+        None, minimum=1, aliases=("--threads",),
+        help="torch's compute threads in each engine process (torch.set_num_threads): on a CPU machine shared "
+             "with other work, fewer threads than cores keep a step from waiting on a descheduled one",
+        default_text="torch's: one per core; with tensor_parallel_size N on a CPU, the cores / N")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
     # speculative_config parsed, once, at construction: what everything below reads
     speculation: SpeculativeConfig | None = field(default=None, init=False, repr=False, compare=False)

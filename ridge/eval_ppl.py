@@ -15,6 +15,7 @@ through both engines in turn and reduced to its KL sum at once.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sysconfig
@@ -28,6 +29,18 @@ class PerplexityResult:
     tokens: int
     files: int
     windows: int
+
+
+def check_files(paths: list[str]) -> None:
+    """Every path a readable file (ValueError naming the first that is not): checked before a
+    model loads."""
+    if not paths:
+        raise ValueError("files: no files to evaluate")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"files: {path!r} {'is a directory' if os.path.isdir(path) else 'does not exist'}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"files: {path!r} is not readable")
 
 
 def heldout_files(model_dir: str) -> list[str]:
@@ -79,7 +92,10 @@ def token_logprobs(out) -> list[float]:
 
 def score(llm, windows: list[list[int]], use_tqdm: bool = False) -> list[list[float]]:
     """Each window's token_logprobs: how eval-ppl scores text, for any token windows."""
-    return [token_logprobs(out) for out in llm.generate(windows, _scoring_params(), use_tqdm=use_tqdm)]
+    from tqdm.auto import tqdm
+
+    bar = functools.partial(tqdm, desc="scoring", unit="window") if use_tqdm else False
+    return [token_logprobs(out) for out in llm.generate(windows, _scoring_params(), use_tqdm=bar)]
 
 
 def perplexity(llm, paths: list[str], seq_len: int = 512, use_tqdm: bool = True) -> PerplexityResult:

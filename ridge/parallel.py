@@ -18,8 +18,10 @@ This module sits below the layers (as ridge.config does) and imports nothing fro
 """
 from __future__ import annotations
 
+import ast
 import datetime
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +152,25 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: dist
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=collective_timeout, **kwargs)
     host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return TensorParallel(rank, size, dist.group.WORLD, host)
+
+
+def unguarded_main_hint() -> str:
+    """Why a spawned rank died at start-up when this process's main script has no `if __name__ ==
+    "__main__":` guard (else ""): spawn runs the main module again in each new process, so an
+    unguarded LLM(tensor_parallel_size=N) at its top level starts ranks again inside the rank,
+    which multiprocessing refuses (its message is in the rank's own stderr)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test):
+            return ""
+    return (f"{path} has no `if __name__ == \"__main__\":` guard; the ranks are started with multiprocessing's "
+            f"spawn, which runs the main script again in each of them, so put the script's work (the LLM(...) "
+            f"and what uses it) under that guard")
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -5,6 +5,7 @@ import gc
 import inspect
 import os
 import weakref
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -89,11 +90,14 @@ class LLM:
         self.token_texts = self.engine.committer.token_texts
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, *, parse_special_tokens: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable | None = None, *,
+                 parse_special_tokens: bool = False) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids, or a list of those); all the
         call's requests are accepted or none is, a call that fails or is interrupted (Ctrl-C) aborts
         what it admitted, and requests already in the engine are untouched. Special-token strings
-        in a text prompt (`<|eot_id|>`) are plain text unless `parse_special_tokens=True`."""
+        in a text prompt (`<|eot_id|>`) are plain text unless `parse_special_tokens=True`.
+        `use_tqdm`: a progress bar over the requests, or (as in vLLM) a callable that makes one from
+        `total=`, e.g. `functools.partial(tqdm, desc="scoring")`."""
         if not isinstance(parse_special_tokens, bool):
             raise ValueError(f"parse_special_tokens: must be true or false, got {parse_special_tokens!r}")
         self._check_open()
@@ -160,9 +164,11 @@ class LLM:
         prompts = [self.encoder.chat(conv, tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable) -> list[RequestOutput]:
         pending, done = set(ids), {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+        bar = use_tqdm(total=len(ids)) if callable(use_tqdm) else \
+            tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        with bar:
             while pending:
                 for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in pending:

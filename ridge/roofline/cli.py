@@ -28,8 +28,6 @@ def add_roofline_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--no-decode", action="store_true", help="time only the prefill step")
     r.add_argument("--sampling", default="greedy", choices=["greedy", "random"],
                    help="greedy: argmax; random: temperature 0.8, top-p 0.95 (the sorting path)")
-    r.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (CPU ceilings are measured and cached per thread count)")
     r.add_argument("--reps", type=int, default=5, help="timed repetitions of each step (medians reported)")
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--out", default=None, help="write report.md, report.json, roofline.png and roofline.svg here")
@@ -64,10 +62,13 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     from ridge.roofline.report import ceilings_line, datasheet_line, format_terminal
     from ridge.roofline.api import run_roofline
 
-    if a.threads is not None:
-        if a.threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {a.threads}")
-        torch.set_num_threads(a.threads)
+    kw = settings.values(EngineConfig, a)
+    # validated here, before anything loads; the two left to the steps are filled by run_roofline
+    engine = EngineConfig.from_kwargs(**{k: v for k, v in kw.items() if v is not None or k not in ROOFLINE_DEFAULTS})
+    # --num-cpu-threads (--threads) is the engine's setting; the ceilings, measured before any engine
+    # is built and cached per thread count, are measured with it too
+    if engine.num_cpu_threads is not None:
+        torch.set_num_threads(engine.num_cpu_threads)
     if a.ceilings_only:
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
@@ -82,9 +83,6 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         if ds:
             print(ds)
         return 0
-    kw = settings.values(EngineConfig, a)
-    # validated here, before anything loads; the two left to the steps are filled by run_roofline
-    EngineConfig.from_kwargs(**{k: v for k, v in kw.items() if v is not None or k not in ROOFLINE_DEFAULTS})
     tp = kw.pop("tensor_parallel_size", None) or 1
     if tp > 1 and not a.predict:
         raise ValueError("tensor_parallel_size: ridge roofline times one process's kernels; at N > 1 it only "

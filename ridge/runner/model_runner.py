@@ -66,6 +66,8 @@ class ModelRunner:
                  tp: TensorParallel = SINGLE, workers=None):
         self.cfg, self.model_cfg, self.device = cfg, model_cfg, cfg.device
         self.workers, self.tp = workers, workers.tp if workers is not None else tp
+        if cfg.num_cpu_threads is not None:
+            torch.set_num_threads(cfg.num_cpu_threads)
         rotation = hadamard_signs(model_cfg.head_dim, cfg.seed).to(cfg.device) if cfg.kv_cache_hadamard else None
         self.backend = select_backend(cfg.device, cfg.attention_backend, model_cfg.head_dim, rotation,
                                       model_cfg.mla.kv_lora_rank if model_cfg.mla is not None else None,

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.parallel import (RankFailure, abort_tensor_parallel, destroy_tensor_parallel, init_tensor_parallel, launched,
-                            meet_before_leaving)
+                            meet_before_leaving, unguarded_main_hint)
 from ridge.runner.step_broadcast import BroadcastChannel
 from ridge.runner.step_message import (STOP, SETUP, encode_plan, encode_setup, encode_stop, max_message_bytes,
                                        read_message)
@@ -154,7 +154,8 @@ class WorkerPool:
                 break
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exited with code {code}" if code is not None else "stopped answering")
-        return f"tensor-parallel rank {rank} (pid {p.pid}) {how}" + (f": {error}" if error else "")
+        why = error or (unguarded_main_hint() if code == 1 else "")
+        return f"tensor-parallel rank {rank} (pid {p.pid}) {how}" + (f": {why}" if why else "")
 
     def _watch(self) -> None:
         """Wait for a worker to die, or for rank 0's step to outlast the timeout: its host inside

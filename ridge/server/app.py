@@ -4,6 +4,7 @@
     GET /health         200 when the engine is ready, 503 while it loads or after it died
     GET /metrics        Prometheus text format
     GET /openapi.json   the API's schema, from the models that validate requests; /docs shows it
+                        (Swagger UI from ridge's own dependencies under /docs/assets: no CDN)
 
 Bodies are parsed by the routes themselves (strict pydantic on the raw bytes, with the request
 models of the served model's limits) so that malformed JSON and schema errors get the OpenAI
@@ -17,6 +18,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +35,7 @@ from ridge.server.serving_completions import CompletionServing
 
 log = logging.getLogger("ridge.server")
 _PARSE_ON_LOOP_BYTES = 64 << 10
+DOCS_ASSETS = "/docs/assets"
 
 
 def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastAPI:
@@ -57,7 +60,11 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
         yield
         client.stop()
 
-    app = FastAPI(title="ridge", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    # /docs from fastapi-offline's packaged Swagger UI, not FastAPI's CDN links (blank offline), and
+    # no validator badge (Swagger UI would send the schema's address to validator.swagger.io)
+    app = FastAPIOffline(title="ridge", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                         openapi_url="/openapi.json", static_url=DOCS_ASSETS,
+                         favicon_url=f"{DOCS_ASSETS}/favicon.png", swagger_ui_parameters={"validatorUrl": None})
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
 import sys
 
@@ -12,6 +14,7 @@ from ridge.server.config import ServerConfig
 
 # n is untrusted over HTTP: a lower cap than the offline engine's
 SERVE_DEFAULTS = {"max_n": 16}
+log = logging.getLogger("ridge.server")
 
 
 def add_serve_parser(sub) -> None:
@@ -25,7 +28,6 @@ def add_serve_parser(sub) -> None:
 def build_app(a: argparse.Namespace):
     """The app and ServerConfig `ridge serve` runs for these parsed flags; the README's examples
     are tested through it, so they are checked against the name the command really serves."""
-    from ridge.engine.llm import LLM
     from ridge.server.app import create_app
 
     engine = settings.from_args(EngineConfig, a)
@@ -33,7 +35,28 @@ def build_app(a: argparse.Namespace):
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
-    return create_app(lambda: LLM(show_progress=False, **engine.as_kwargs()), cfg), cfg
+    return create_app(functools.partial(load_engine, engine), cfg), cfg
+
+
+def load_engine(engine: EngineConfig):
+    """The served LLM, its start-up summary logged. Like vLLM, a server whose KV pool cannot hold
+    one request of the full context length is refused: such a request would wait for ever."""
+    from ridge.engine.llm import LLM
+
+    llm = LLM(show_progress=False, **engine.as_kwargs())
+    cfg = llm.engine.cfg
+    tokens = cfg.num_pages * cfg.page_size
+    log.info("model %s on %s: dtype %s, context length %d tokens; KV pool %d pages of %d tokens = %d tokens "
+             "(%.1f MiB, %s)", cfg.model, cfg.device, str(cfg.dtype).removeprefix("torch."), cfg.max_model_len,
+             cfg.num_pages, cfg.page_size, tokens, cfg.num_pages * llm.engine.runner.kv_bytes_per_page() / 2**20,
+             cfg.kv_cache_dtype)
+    if tokens < cfg.max_model_len:
+        llm.close()
+        budget = "gpu_memory_utilization" if cfg.gpu_memory_utilization is not None else "kv_cache_memory"
+        raise ValueError(f"max_model_len: {cfg.max_model_len} tokens is larger than the KV pool can hold ({tokens} "
+                         f"tokens: {cfg.num_pages} pages of {cfg.page_size}); raise {budget} or lower max_model_len "
+                         f"to at most {tokens}")
+    return llm
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

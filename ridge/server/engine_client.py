@@ -242,6 +242,9 @@ class EngineClient:
         finally:
             if self._llm is not None:
                 self._llm.close()       # a tensor-parallel engine's workers stop now, not at exit
+            # frozen objects are never collected, not even at exit: the cycles loading made would
+            # outlive the interpreter, and Triton's bindings (nanobind) print each as a leak
+            gc.unfreeze()
         self._refuse_until_stopped()
 
     def _serve(self) -> None:

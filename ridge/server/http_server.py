@@ -11,7 +11,9 @@ the drain on shutdown.
   whole request, from its connection (or, on a kept-alive one, from the next request's first
   byte); then the connection is closed, with a 408 once the headers were read. A request whose
   headers are in is not timed any further, so a long stream the server writes is never cut. Past
-  `limit_concurrency` open connections a request gets a 503 in the API's error shape.
+  `limit_concurrency` open connections a request gets a 503 in the API's error shape. A request
+  h11 cannot parse gets a 400 in that shape (uvicorn's is plain text), and a request head over
+  h11's limit (16 KiB) a 431, also when the whole head arrives in one read.
 - Drain (RidgeServer): on SIGTERM or Ctrl-C the engine client stops admitting (503, /health
   503), the requests in flight run on for up to `shutdown_timeout` seconds, then each one still
   running ends with an error event and [DONE] (a 503 body if not streamed); only then does
@@ -27,7 +29,7 @@ import socket
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, STATUS_PHRASES, H11Protocol
 
 from ridge.server.config import ServerConfig
 from ridge.server.errors import APIError
@@ -55,11 +57,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Connection(h11.Connection):
+    """h11's connection, keeping the error that ended its parse (h11 hints its status: 431 for a
+    head too long). h11 measures a request head only while it is unfinished, so a head that came
+    whole in one read (up to 256 KiB) passed: here a parsed head is held to the same limit."""
+    error: h11.RemoteProtocolError | None = None
+
+    def __init__(self, head_limit: int):
+        super().__init__(h11.SERVER, head_limit)
+        self.head_limit = head_limit
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+            if isinstance(event, h11.Request) and \
+                    len(event.target) + sum(len(k) + len(v) for k, v in event.headers) > self.head_limit:
+                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            return event
+        except h11.RemoteProtocolError as e:
+            self.error = e
+            raise
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the request read timeout and an API-shaped connection cap."""
 
     def __init__(self, config, server_state, app_state, _loop=None):
         super().__init__(config, server_state, app_state, _loop)
+        self.header_limit = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = _Connection(self.header_limit)
         self.read_timeout: float | None = getattr(config, "request_read_timeout", None)
         self.read_timer = None
         self.cap = self.limit_concurrency
@@ -74,6 +100,26 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch_read()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 could not parse (uvicorn's reply is plain text): the API's error shape,
+        431 for a request head over header_limit."""
+        e = self.conn.error
+        if e is not None and e.error_status_hint == 431:
+            err = APIError(431, f"request headers: larger than {self.header_limit} bytes", "headers",
+                           "request_header_fields_too_large")
+        else:
+            err = APIError(400, f"malformed HTTP request: {e or msg}", None, "invalid_http_request")
+        self._send_error(err)
+        self.transport.close()
+
+    def _send_error(self, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=err.status, headers=headers, reason=STATUS_PHRASES[err.status]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -108,13 +154,8 @@ class GuardedH11Protocol(H11Protocol):
         log.info("%s did not send its request within %g s: connection closed", who, self.read_timeout)
         cycle = self.cycle
         if self.conn.their_state is h11.SEND_BODY and cycle is not None and not cycle.response_started:
-            err = APIError(408, f"body: not received within {self.read_timeout:g} s", "body", "request_timeout")
-            body = json.dumps(err.body()).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
-            for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
-                          h11.Data(data=body), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
+            self._send_error(APIError(408, f"body: not received within {self.read_timeout:g} s", "body",
+                                      "request_timeout"))
             # the app waits for the body: it now reads a disconnect, and anything it sends is dropped
             cycle.disconnected = True
             cycle.message_event.set()

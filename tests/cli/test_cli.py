@@ -80,3 +80,41 @@ def test_show_progress_false_shows_no_generate_bar(tiny_llm, capsys):
     capsys.readouterr()
     tiny_llm.generate(["def f():"], SamplingParams(max_tokens=2))
     assert "generating" not in capsys.readouterr().err
+
+
+def test_bad_choice_prints_the_error_not_the_usage_block(capsys):
+    """A bad choice (or any flag argparse refuses) is the one line that matters and a pointer to
+    --help, not argparse's usage block of every engine flag first."""
+    import pytest
+
+    from ridge.cli import main
+    for argv, wanted in (
+            (["generate", "--dtype", "bf16", "x"], "ridge generate: error: argument --dtype: invalid choice"),
+            (["serve", "--kv-cache-dtype", "int8"], "ridge serve: error: argument --kv-cache-dtype"),
+            (["bench", "latency", "--max-num-seqs", "many"], "ridge bench latency: error: argument")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(wanted), (argv, err)
+        assert "usage:" not in err and len(err.splitlines()) == 2, err
+
+
+def test_eval_ppl_checks_its_files_before_loading(capsys, monkeypatch, tmp_path):
+    import ridge.engine.llm as llm_module
+    from ridge.cli import main
+    monkeypatch.setattr(llm_module, "ModelRunner", None)          # a load would fail differently
+    for files, why in ((["missing.txt"], "'missing.txt' does not exist"), ([str(tmp_path)], "is a directory")):
+        assert main(["eval-ppl", "--files", *files]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ridge: error: files: ") and why in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_ppl_progress_bar_names_what_it_does(tiny_llm, capsys, tmp_path):
+    from ridge.eval_ppl import perplexity
+    text = tmp_path / "text.py"
+    text.write_text("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 20)
+    capsys.readouterr()
+    r = perplexity(tiny_llm, [str(text)], seq_len=64)
+    err = capsys.readouterr().err
+    assert r.windows > 1 and "scoring: 100%" in err and f"{r.windows}/{r.windows}" in err and "window" in err, err
+    assert "generating" not in err and "req/s" not in err

@@ -54,6 +54,7 @@ BAD = [
     ("tensor_parallel_size", 0), ("tensor_parallel_size", 1.5), ("tensor_parallel_size", True),
     ("distributed_timeout_seconds", 0), ("distributed_timeout_seconds", math.inf),
     ("distributed_executor_backend", "ray"), ("distributed_executor_backend", None),
+    ("num_cpu_threads", 0), ("num_cpu_threads", True), ("num_cpu_threads", 1.5),
 ]
 
 
@@ -153,6 +154,20 @@ def test_aliases_and_switches():
     assert settings.from_args(EngineConfig, _parse(EngineConfig, ["--kv-cache-memory", "2GiB"])).kv_cache_memory \
         == 2 << 30
     assert settings.from_args(EngineConfig, _parse(EngineConfig, ["--enable-prefix-caching"])).enable_prefix_caching
+
+
+def test_num_cpu_threads_sets_torchs_threads(checkpoints):
+    """The CPU backend's thread count is a setting (flag --num-cpu-threads, or --threads): on a
+    machine shared with other work, fewer threads than cores keep a step from waiting on one."""
+    assert settings.from_args(EngineConfig, _parse(EngineConfig, ["--threads", "3"])).num_cpu_threads == 3
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    try:
+        from ridge import LLM
+        LLM(checkpoints("llama"), device="cpu", show_progress=False, max_model_len=64, num_cpu_threads=want).close()
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bad_flag_value_names_the_setting():

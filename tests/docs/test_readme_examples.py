@@ -193,3 +193,11 @@ def test_readme_structured_and_tool_snippet_parses(readme_server):
     described = ast.literal_eval(out.getvalue().splitlines()[0])
     assert set(described) == {"name", "kind"} and described["kind"] in ("module", "script", "test"), described
     assert isinstance(described["name"], str) and len(described["name"]) <= 16, described
+
+
+def test_quick_start_installs_pytorchs_cpu_wheel():
+    """A plain `pip install torch` on a machine without a GPU pulls PyPI's CUDA build (GBs of CUDA
+    packages): the quick start names PyTorch's CPU wheel index, as PyTorch's own instructions do."""
+    installs = [line for block in _blocks("bash", "Quick start") for line in block.splitlines()
+                if line.startswith("pip install torch")]
+    assert installs and all("--index-url https://download.pytorch.org/whl/cpu" in line for line in installs)

@@ -316,3 +316,30 @@ def test_chunked_prefill_preemption_prefix_hits_and_scoring_match_one_rank(llama
             assert all(abs(dx[t].logprob - dy[t].logprob) < 1e-4 for t in dx)
     st = two.engine.stats()
     assert st.num_free_pages == st.num_pages
+
+
+def test_unguarded_script_is_named_as_the_cause(checkpoints, tmp_path, monkeypatch):
+    """A script that builds a tensor-parallel LLM at its top level, with no `if __name__ ==
+    "__main__":` guard, fails in its spawned ranks (spawn runs the main script again there): the
+    error says so and names the fix, as multiprocessing's own message does, instead of only
+    'rank 1 exited with code 1'."""
+    import subprocess
+    import sys
+    import types
+
+    from ridge.parallel import unguarded_main_hint
+    body = (f"from ridge import LLM\nLLM({checkpoints('llama')!r}, device='cpu', tensor_parallel_size=2, "
+            f"max_model_len=64, show_progress=False)\n")
+    unguarded, guarded = tmp_path / "unguarded.py", tmp_path / "guarded.py"
+    unguarded.write_text(body)
+    guarded.write_text("if __name__ == '__main__':\n" + "".join("    " + line + "\n" for line in body.splitlines()))
+    for script, hinted in ((unguarded, True), (guarded, False)):
+        monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=str(script)))
+        assert bool(unguarded_main_hint()) is hinted, script
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace())       # an interactive session
+    assert unguarded_main_hint() == ""
+    r = subprocess.run([sys.executable, str(unguarded)], capture_output=True, text=True, timeout=180,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("ridge.parallel.RankFailure: tensor-parallel rank 1"), r.stderr[-3000:]
+    assert f'{unguarded} has no `if __name__ == "__main__":` guard' in last and "spawn" in last

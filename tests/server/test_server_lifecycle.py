@@ -139,6 +139,46 @@ def test_one_log_format(server):
     assert not [x for x in lines if x.startswith(("INFO:", "WARNING:", "ERROR:"))]     # uvicorn's own format
 
 
+def test_start_up_summary(server):
+    summary = [x for x in server.log().splitlines() if " ridge.server: model " in x]
+    assert len(summary) == 1 and LOG_LINE.match(summary[0]), server.log()[-2000:]
+    assert re.search(r"on cpu: dtype float32, context length 512 tokens; KV pool (\d+) pages of 16 tokens = (\d+) "
+                     r"tokens \([\d.]+ MiB, auto\)", summary[0]), summary[0]
+
+
+def test_kv_pool_smaller_than_one_full_length_request_is_refused(checkpoints):
+    r = subprocess.run([sys.executable, "-m", "ridge.cli", "serve", "--model", checkpoints("llama"), "--device", "cpu",
+                        "--port", "0", "--max-model-len", "1024", "--kv-cache-memory", "100000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "max_model_len: 1024 tokens is larger than the KV pool can hold (192 tokens: 12 pages of 16); raise " \
+           "kv_cache_memory or lower max_model_len to at most 192" in r.stderr, r.stderr[-2000:]
+    assert "engine ready" not in r.stderr
+
+
+def test_malformed_http_gets_the_api_error_shape(server):
+    for request in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n"):
+        with raw(server, request) as s:
+            status, _, body = read_all(s).partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in status.lower(), status
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_http_request" and err["message"].startswith("malformed HTTP request")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("size", [20_000, 100_000])
+def test_oversized_request_head_gets_431(server, size):
+    """h11 refuses a head past 16 KiB only while it is unfinished; one that arrives whole in a
+    single read is refused too."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+    with raw(server, head) as s:
+        status, _, body = read_all(s).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 431 "), status
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    r = httpx.get(server.url + "/health", headers={"X-Fine": "a" * 8000}, timeout=10)
+    assert r.status_code == 200                 # a large head within the limit is served
+
+
 # -- item 8: read timeout and connection cap -------------------------------------------------------
 def test_partial_headers_are_cut_off(server):
     start = time.monotonic()
@@ -231,3 +271,4 @@ def test_sigterm_drains_then_ends_streams_cleanly(servers):
 
     assert server.proc.wait(DRAIN + 10) == 0
     assert "Traceback" not in server.log()
+    assert "leaked" not in server.log()         # nothing outlives the interpreter (nanobind's report)

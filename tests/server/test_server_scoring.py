@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import re
+
 import httpx
 import pytest
 
@@ -118,6 +120,20 @@ def test_a_body_that_is_not_json_gets_415(server):
     for media in ("application/json; charset=utf-8", "application/vnd.api+json", None):
         headers = {**AUTH, **({"Content-Type": media} if media else {})}
         assert server.post(C, content=body, headers=headers).status_code == 200, media
+
+
+def test_docs_page_is_served_offline(server):
+    """/docs loads Swagger UI from the server itself: no address elsewhere (a CDN, the schema
+    validator), and every script, style sheet and icon the page names is served."""
+    page = httpx.get(server.url + "/docs", timeout=30)
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    assert not re.search(r"https?:|//", page.text), page.text          # no absolute or scheme-relative URL
+    assert '"validatorUrl": null' in page.text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(assets) == 3 and all(a.startswith("/docs/") for a in assets), assets
+    for asset in assets + ["/openapi.json"]:
+        r = httpx.get(server.url + asset, timeout=30)
+        assert r.status_code == 200 and len(r.content) > 1000, asset
 
 
 def test_openapi_states_the_served_limits(server):
