@@ -1,9 +1,11 @@
 """`ridge bench soak`: hours of mixed load on a running server, and whether it ends where it began.
 
     ridge serve --model demo-code-12m --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' &
-    ridge bench soak --base-url http://127.0.0.1:8000 --duration 600 --request-rate 6 --server-pid $! --json soak.json
+    ridge bench soak --base-url http://127.0.0.1:8000 --duration 600 --server-pid $! --json soak.json
 
-Streamed /v1/completions requests arrive as a Poisson process, each with random sampling settings
+Streamed /v1/completions requests arrive as a Poisson process (at --request-rate, or by default at
+--capacity-fraction of the rate the server sustains, measured first with 16 requests kept in
+flight for --calibrate seconds: near capacity on any machine), each with random sampling settings
 (n, logprobs, stop strings, seeds, penalties, greedy or not: a server started with speculation
 speculates on those that can), and a fraction are cancelled mid-stream by hanging up. Beside them:
 canaries, a few seeded requests sent again and again, whose answers must equal their first; and
@@ -35,7 +37,12 @@ def add_soak_bench_parser(bench_sub) -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
-    p.add_argument("--request-rate", type=float, default=4.0, help="mean requests per second (default 4)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="mean requests per second (default: --capacity-fraction of the measured capacity)")
+    p.add_argument("--capacity-fraction", type=float, default=0.7,
+                   help="the load's rate as a fraction of the requests/s the server sustains (default 0.7)")
+    p.add_argument("--calibrate", type=float, default=20.0,
+                   help="seconds the capacity is measured for, before the soak (default 20)")
     p.add_argument("--window", type=float, default=60.0, help="seconds compared at the start and the end (default 60)")
     p.add_argument("--cancel-fraction", type=float, default=0.2, help="requests cancelled mid-stream (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=48, help="most tokens a request asks for (default 48)")
@@ -218,20 +225,49 @@ def summarize_soak(reqs: list[SoakRequest], samples: list[dict], duration: float
         after_drain=final)
 
 
+async def _capacity(base_url: str, model: str, max_tokens: int, seconds: float, seed: int) -> float:
+    """Requests a second the server completes with 16 of the soak's requests kept in flight."""
+    import httpx
+
+    rng, done = random.Random(seed + 1), []
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(300)) as client:
+        start = time.perf_counter()
+
+        async def worker():
+            while time.perf_counter() - start < seconds:
+                r = await stream_completion(client, load_body(rng, model, max_tokens), RequestResult(0, 0))
+                if r.ok:
+                    done.append(time.perf_counter())
+
+        await asyncio.gather(*(worker() for _ in range(16)))
+        return len(done) / (time.perf_counter() - start)
+
+
 def run_soak_bench(a: argparse.Namespace) -> dict:
-    for name, value in (("duration", a.duration), ("request-rate", a.request_rate), ("window", a.window),
-                        ("max-tokens", a.max_tokens)):
+    for name, value in (("duration", a.duration), ("window", a.window), ("max-tokens", a.max_tokens),
+                        ("calibrate", a.calibrate)):
         if not value > 0:
             raise ValueError(f"{name}: must be > 0, got {value}")
+    if a.request_rate is not None and not a.request_rate > 0:
+        raise ValueError(f"request-rate: must be > 0, got {a.request_rate}")
+    if not 0 < a.capacity_fraction <= 1:
+        raise ValueError(f"capacity-fraction: must be in (0, 1], got {a.capacity_fraction}")
     if not 0 <= a.cancel_fraction <= 1:
         raise ValueError(f"cancel-fraction: must be in [0, 1], got {a.cancel_fraction}")
     if 2 * a.window > a.duration:
         raise ValueError(f"window: two windows of {a.window:g} s do not fit in a duration of {a.duration:g} s")
     card = server_model(a.base_url, {}, 30)
     model, max_len = card["id"], card.get("max_model_len") or 2048
-    reqs = plan(a.duration, a.request_rate, a.cancel_fraction, a.max_tokens, model, max_len, a.seed)
+    capacity = None
+    if a.request_rate is None:
+        capacity = asyncio.run(_capacity(a.base_url, model, a.max_tokens, a.calibrate, a.seed))
+        if not capacity > 0:
+            raise ValueError("request-rate: the server completed no request while its capacity was measured")
+    rate = a.request_rate or a.capacity_fraction * capacity
+    reqs = plan(a.duration, rate, a.cancel_fraction, a.max_tokens, model, max_len, a.seed)
     samples, duration, final = asyncio.run(_run(a.base_url, reqs, a.server_pid, every=2.0))
-    return dict(config=dict(base_url=a.base_url, model=model, duration=a.duration, request_rate=a.request_rate,
+    return dict(config=dict(base_url=a.base_url, model=model, duration=a.duration, request_rate=rate,
+                            capacity_requests_per_s=capacity,
                             cancel_fraction=a.cancel_fraction, max_tokens=a.max_tokens, window=a.window, seed=a.seed,
                             date=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
                 summary=summarize_soak(reqs, samples, duration, final, a.window), samples=samples,
@@ -241,6 +277,9 @@ def run_soak_bench(a: argparse.Namespace) -> dict:
 
 def print_soak_bench(r: dict) -> None:
     s = r["summary"]
+    c = r["config"]
+    if c["capacity_requests_per_s"] is not None:
+        print(f"capacity {c['capacity_requests_per_s']:.2f} requests/s; the soak's rate {c['request_rate']:.2f}/s")
     print(f"{s['requests']} requests ({s['cancelled']} cancelled) in {s['duration_s']:.0f} s, "
           f"{s['output_tokens']} tokens; {s['failures']} failed; canaries {s['canaries']} "
           f"({s['canaries_changed']} changed); hostile {s['hostile']} ({len(s['hostile_wrong'])} answered wrongly)")
