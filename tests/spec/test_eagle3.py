@@ -238,7 +238,7 @@ def test_draft_steps_on_the_static_path_equal_the_eager_ones(ckpts):
     from types import SimpleNamespace
 
     from ridge.config import EngineConfig, ModelConfig
-    from ridge.engine.spec.eagle import Eagle3Proposer
+    from ridge.engine.spec.eagle import HeadProposer
     from ridge.runner.model_runner import ModelRunner
     spec = llm(ckpts[0], speculative_config=eagle(ckpts[1]))
     eager = spec.engine.speculator.proposer
@@ -272,7 +272,7 @@ def test_draft_steps_on_the_static_path_equal_the_eager_ones(ckpts):
             r.model.hidden_in[:3].copy_(states[last])
             step = DecodeInputs([ids[i] for i in last], [n - 1 for n in lens],
                                 [slot_of(t, n - 1, ps) for n, t in zip(lens, tables)], lens, tables)
-            logits.append(Eagle3Proposer._decode(SimpleNamespace(runner=r, head=r.model), step).clone())
+            logits.append(HeadProposer._decode(SimpleNamespace(runner=r, head=r.model), step).clone())
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
