@@ -43,7 +43,7 @@ class HiddenStateHead(nn.Module):
 
     def allocate_hidden(self, rows: int) -> None:
         """The static [rows, H] buffers forward reads its states from and leaves its output in, in
-        the dtype and on the device of the head's first parameter (its input projection's)."""
-        w = next(self.parameters())
+        the embedding's dtype and on its device (share_embedding first)."""
+        w = self.embed.weight
         self.hidden_in = torch.zeros(rows, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
         self.hidden_out = torch.zeros_like(self.hidden_in)

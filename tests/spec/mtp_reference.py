@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tests.spec.eagle3_reference import ReferenceHead
 
 
 def write_mtp_layer(target: str, seed: int = 0, std: float = 0.15, echo: float = 0.0) -> str:
@@ -79,17 +80,12 @@ class ReferenceMTP:
         pre = self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos))[0]
         return _rms(pre, w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T, pre
 
-    def drafts(self, states: torch.Tensor, tokens: list[int], k: int) -> list[int]:
-        """The k greedy drafts after `tokens`: rows 0..n-2 from the target's states, then the last
-        row's output chained as the next state with the argmax as the next token."""
-        n = len(tokens)
-        ids, positions, states = tokens[1:], list(range(n - 1)), states[:n - 1]
-        out = []
-        for _ in range(k):
-            logits, pre = self.run(ids, positions, states)
-            out.append(int(logits[-1].argmax()))
-            ids, positions, states = ids + out[-1:], positions + [positions[-1] + 1], torch.cat([states, pre[-1:]])
-        return out
+    @staticmethod
+    def fuse(states: torch.Tensor) -> torch.Tensor:
+        return states                   # the layer reads the target's states as they are
+
+    # greedy drafts after the tokens from scratch, as an EAGLE-3 head's (the same chaining)
+    drafts = ReferenceHead.drafts
 
 
 def target_states(hf, tokens: list[int]) -> torch.Tensor:
