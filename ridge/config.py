@@ -191,8 +191,9 @@ class EngineConfig:
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
         None, parse=_json_object,
-        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3", "num_speculative_tokens": k, '
-             '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 24, '
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", '
+             '"num_speculative_tokens": k, "model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+             '"suffix_decoding_max_tree_depth": 24, '
              '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1, '
              '"suffix_decoding_max_cached_requests": 10000, "disable_by_batch_size": B}',
         default_text="off")

@@ -96,8 +96,8 @@ class MoEConfig:
         size = raw["moe_intermediate_size"]       # V2's router never renormalises (as transformers runs it)
         # the multi-token-prediction layers after the last decoder layer are sparse as its index says
         last = raw["num_hidden_layers"] + (raw.get("num_nextn_predict_layers") or 0)
-        return cls(E, k, size, v3 and bool(raw.get("norm_topk_prob", False)), tuple(range(first, last)), size * (raw.get("n_shared_experts") or 0),
-                   shared_expert_gated=False, grouped=routing)
+        return cls(E, k, size, v3 and bool(raw.get("norm_topk_prob", False)), tuple(range(first, last)),
+                   size * (raw.get("n_shared_experts") or 0), shared_expert_gated=False, grouped=routing)
 
 
 @dataclass(frozen=True)
