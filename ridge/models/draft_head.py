@@ -25,7 +25,7 @@ class HiddenStateHead(nn.Module):
     def __init__(self):
         super().__init__()
         self.hidden_in = self.hidden_out = None             # allocate_hidden
-        self._target_embed: VocabTable | None = None        # kept outside the module tree: not the head's
+        self._target_embed: VocabTable | None = None        # share_embedding's, set after loading: never loaded
 
     def share_embedding(self, table: VocabTable) -> None:
         """The target's token table, used unless the checkpoint brought the head's own."""
