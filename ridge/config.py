@@ -17,7 +17,8 @@ from ridge.model_config import ModelConfig, parse_dtype
 from ridge.parallel import launched
 from ridge.settings import setting
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}       # vLLM's older name
 MODEL_METHODS = ("draft_model", "eagle3")      # the methods that load a draft checkpoint
 
 
@@ -25,8 +26,9 @@ MODEL_METHODS = ("draft_model", "eagle3")      # the methods that load a draft c
 class SpeculativeConfig:
     """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model), "suffix"
     (suffix decoding over the sequence and earlier outputs, no model), "draft_model" (`model`: a
-    checkpoint with the target's vocabulary) or "eagle3" (`model`: an EAGLE-3 head trained on the
-    target's hidden states; ridge/engine/spec/eagle.py); `num_speculative_tokens` (k, the most drafts a step);
+    checkpoint with the target's vocabulary), "eagle3" (`model`: an EAGLE-3 head trained on the
+    target's hidden states; ridge/engine/spec/eagle.py) or "mtp" (alias "deepseek_mtp": the target's
+    own multi-token-prediction layer, DeepSeek-V3's; no model); `num_speculative_tokens` (k, the most drafts a step);
     prompt_lookup_min/max (the n-gram lengths tried, longest first); suffix_decoding_* (the longest
     match considered, drafts per matched token, the least path frequency a draft continues at, the
     finished outputs kept; ridge/engine/spec/suffix.py);
@@ -59,6 +61,8 @@ class SpeculativeConfig:
         for key in ("method", "num_speculative_tokens"):
             if key not in value:
                 raise ValueError(f"{key!r} is required")
+        if value["method"] in METHOD_ALIASES:
+            value = {**value, "method": METHOD_ALIASES[value["method"]]}
         if value["method"] not in SPECULATIVE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {value['method']!r}")
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
@@ -187,8 +191,9 @@ class EngineConfig:
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
         None, parse=_json_object,
-        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3", "num_speculative_tokens": k, '
-             '"model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, "suffix_decoding_max_tree_depth": 24, '
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", '
+             '"num_speculative_tokens": k, "model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+             '"suffix_decoding_max_tree_depth": 24, '
              '"suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1, '
              '"suffix_decoding_max_cached_requests": 10000, "disable_by_batch_size": B}',
         default_text="off")
@@ -266,6 +271,11 @@ class EngineConfig:
         spec = self.speculation
         if spec is not None and spec.model is not None:
             self._check_draft(ModelConfig.from_dir(model_dir(spec.model)), model_cfg)
+        if spec is not None and spec.method == "mtp":
+            try:
+                model_cfg.mtp_head()
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model_cfg, dev)
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),

@@ -5,6 +5,7 @@ routing is `ModelConfig.moe` (MoEConfig); everything else about it is the Llama 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,9 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # EAGLE-3 draft heads (docs/eagle3-design.md): the original layout's names (vLLM maps both) and the
 # speculators library's; a head is loaded only as a speculative_config model, never as the model
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+# DeepSeek-V3's multi-token-prediction layer run as a draft head (vLLM's name): made from the target's
+# own config (ModelConfig.mtp_head), never read from a config.json
+MTP_ARCHITECTURE = "DeepSeekMTPModel"
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -90,9 +94,10 @@ class MoEConfig:
                                  float(raw.get("routed_scaling_factor", 1.0)), v3)
         first = raw.get("first_k_dense_replace", 0) or 0
         size = raw["moe_intermediate_size"]       # V2's router never renormalises (as transformers runs it)
-        return cls(E, k, size, v3 and bool(raw.get("norm_topk_prob", False)),
-                   tuple(range(first, raw["num_hidden_layers"])), size * (raw.get("n_shared_experts") or 0),
-                   shared_expert_gated=False, grouped=routing)
+        # the multi-token-prediction layers after the last decoder layer are sparse as its index says
+        last = raw["num_hidden_layers"] + (raw.get("num_nextn_predict_layers") or 0)
+        return cls(E, k, size, v3 and bool(raw.get("norm_topk_prob", False)), tuple(range(first, last)),
+                   size * (raw.get("n_shared_experts") or 0), shared_expert_gated=False, grouped=routing)
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,8 @@ class ModelConfig:
     moe: MoEConfig | None = None              # routing, for a mixture-of-experts architecture
     mla: MLAConfig | None = None              # DeepSeek's latent attention (head_dim: its rotary part)
     eagle: Eagle3Config | None = None         # an EAGLE-3 draft head's own keys
+    num_nextn_predict_layers: int = 0         # DeepSeek-V3's multi-token-prediction layers after the last one
+    mtp_layer: int | None = None              # an MTP head's: the checkpoint layer it runs (mtp_head)
 
     @property
     def q_size(self) -> int:
@@ -274,6 +281,19 @@ class ModelConfig:
         if self.mla is not None:
             return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
         return 2, self.num_kv_heads, self.head_dim
+
+    def mtp_head(self) -> "ModelConfig":
+        """The config of this target's first multi-token-prediction layer run as a draft head (one
+        decoder layer, checkpoint layer num_hidden_layers, in the target's own checkpoint);
+        ValueError where the target has none."""
+        if self.mla is None:
+            raise ValueError(f"method 'mtp' drafts with a DeepSeek-V3-style model's own multi-token-prediction "
+                             f"layers; {self.architecture} has none (use eagle3, draft_model, ngram or suffix)")
+        if self.num_nextn_predict_layers < 1:
+            raise ValueError(f"method 'mtp': the target's config.json has no multi-token-prediction layers "
+                             f"(num_nextn_predict_layers is {self.num_nextn_predict_layers})")
+        return dataclasses.replace(self, architecture=MTP_ARCHITECTURE, num_layers=1, mtp_layer=self.num_layers,
+                                   num_nextn_predict_layers=0)
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -349,6 +369,8 @@ class ModelConfig:
             moe=MoEConfig.from_dict(arch, raw) if arch in MOE_ARCHITECTURES else None,
             mla=MLAConfig.from_dict(arch, raw, rope_scaling) if arch in DEEPSEEK_ARCHITECTURES else None,
             eagle=Eagle3Config.from_dict(raw) if arch in EAGLE3_ARCHITECTURES else None,
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0) if arch in DEEPSEEK_ARCHITECTURES
+            else 0,
         )
 
 

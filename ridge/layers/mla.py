@@ -59,15 +59,28 @@ class LatentAttention(PagedAttention):
         kv_b_weight [H (nope + v), r]; kv_cache: this layer's latent pages -> [T, H, v]."""
         cache = kv_cache.latent
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kernels = self.kernels or (q.is_cuda and self.kernels_fit)
-        q_pe = (rope_write_latent if kernels else rope_write_latent_ref)(positions, q_pe, latent, k_pe, self.rotary.cos,
-                                                                         self.rotary.sin, cache, meta.slot_mapping)
+        kernels = self._kernels(q)
+        q_pe = self._rotate_and_write(positions, q_pe, latent, k_pe, cache, meta.slot_mapping)
         if kernels and meta.is_decode_only:      # the absorbed form over the latents themselves
             o_lat = mla_decode_attention(absorb_query(q_nope, kv_b_weight), q_pe, cache, meta, self.scale)
             return unabsorb_output(o_lat, kv_b_weight, self.nope_dim)
         attend = mla_prefill_attention if kernels and self.prefill_fits else mla_attention_ref
         return attend(torch.cat((q_nope, q_pe), dim=-1), cache, kv_b_weight, meta, self.scale, self.nope_dim,
                       self.v_dim)
+
+    def _kernels(self, x: torch.Tensor) -> bool:
+        return self.kernels or (x.is_cuda and self.kernels_fit)
+
+    def _rotate_and_write(self, positions, q_pe, latent, k_pe, cache, slot_mapping) -> torch.Tensor:
+        """q_pe rotated; the rows' [latent, rotated k_pe] written to their cache slots."""
+        write = rope_write_latent if self._kernels(latent) else rope_write_latent_ref
+        return write(positions, q_pe, latent, k_pe, self.rotary.cos, self.rotary.sin, cache, slot_mapping)
+
+    def write_kv(self, positions: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: LatentPages,
+                 slot_mapping: torch.Tensor) -> None:
+        """Only the rotation and the cache write of forward, no attention (a draft head's rows whose
+        output nobody reads). The rotation takes a query: k_pe itself, one head, is the cheapest."""
+        self._rotate_and_write(positions, k_pe[:, None], latent, k_pe, kv_cache.latent, slot_mapping)
 
     def cost(self, step: StepShape, kv_b_bytes: int = 0) -> list[OpCost]:
         """kv_b_bytes: the up-projection's weight, read once a step. A decode-only step runs the

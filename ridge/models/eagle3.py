@@ -43,6 +43,7 @@ from ridge.layers.norm import RMSNorm
 from ridge.layers.quant.base import QuantConfig
 from ridge.layers.rotary import RotaryEmbedding
 from ridge.layers.weights import default_weight_loader, set_weight_loader
+from ridge.models.draft_head import HiddenStateHead
 from ridge.models.llama import CHECKPOINT_NAME_MAP, LlamaAttention, LlamaForCausalLM
 from ridge.parallel import SINGLE, TensorParallel
 
@@ -94,10 +95,10 @@ def _made_like(t: torch.Tensor):
         torch.set_default_dtype(default)
 
 
-class Eagle3ForCausalLM(nn.Module):
+class Eagle3ForCausalLM(HiddenStateHead):
     """`d2t` [draft vocab] int64: the draft->target offsets (None: the draft vocabulary is the
     target's). The embedding is the target's table (`share_embedding`) unless the checkpoint has
-    one of its own."""
+    one of its own. The interface the head proposer drives: ridge/models/draft_head.py."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel = SINGLE,
                  quant: QuantConfig | None = None):
@@ -114,8 +115,6 @@ class Eagle3ForCausalLM(nn.Module):
         self.lm_head = VocabTable(e.draft_vocab_size, H)
         self.d2t = set_weight_loader(nn.Parameter(torch.empty(e.draft_vocab_size, dtype=torch.int64),
                                                   requires_grad=False), self.load_d2t)
-        self.hidden_in = self.hidden_out = None             # allocate_hidden
-        self._target_embed: VocabTable | None = None        # kept outside the module tree: not the head's
 
     # ---- loading -----------------------------------------------------------------------------
 
@@ -165,27 +164,11 @@ class Eagle3ForCausalLM(nn.Module):
         """Dummy weights: the first draft_vocab_size target ids (d2t zero)."""
         self.d2t.zero_()
 
-    def share_embedding(self, table: VocabTable) -> None:
-        """The target's token table, used unless the checkpoint brought the head's own."""
-        if table.weight.shape[1] != self.cfg.hidden_size:
-            raise ValueError(f"hidden_size: the head's is {self.cfg.hidden_size}, the target's table is "
-                             f"{table.weight.shape[1]} wide")
-        self._target_embed = table
-
-    @property
-    def embed(self) -> VocabTable:
-        own = self._modules.get("embed_tokens")
-        if own is None and self._target_embed is None:
-            raise RuntimeError("EAGLE-3 head: no embedding (share_embedding(target table) first)")
-        return own if own is not None else self._target_embed
-
-    def allocate_hidden(self, rows: int) -> None:
-        """The static [rows, H] buffers forward reads its states from and leaves `pre` in."""
-        w = self.fc.weight
-        self.hidden_in = torch.zeros(rows, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
-        self.hidden_out = torch.zeros_like(self.hidden_in)
-
     # ---- running -----------------------------------------------------------------------------
+
+    def capture_ids(self, target: ModelConfig) -> tuple[int, ...]:
+        """The target layers whose input stream the head reads."""
+        return self.cfg.eagle.layer_ids(target.num_layers)
 
     def fuse(self, captured: torch.Tensor) -> torch.Tensor:
         """The target's captured states [T, n Ht] -> the head's input states g [T, H]."""

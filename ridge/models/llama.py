@@ -40,6 +40,14 @@ EXPERT_NAME_MAP = {"gate_proj": ("w13_weight", "gate"), "up_proj": ("w13_weight"
 
 # module names of other checkpoints -> ridge's (Mixtral's sparse block, DeepSeek's shared experts)
 RENAMED = {"block_sparse_moe": "mlp", "shared_experts": "shared_expert"}
+# capture_layers' id of the final norm's output (what the LM head reads; an MTP head's input)
+NORMED = -1
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to ("model.layers.<i>...."), else -1."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 class LlamaAttention(nn.Module):
@@ -137,10 +145,11 @@ class LlamaModel(nn.Module):
 
     def capture_layers(self, layer_ids: tuple[int, ...], out: torch.Tensor) -> None:
         """From now on every forward writes the residual stream entering layer i (x + residual, before
-        any norm: transformers' hidden_states[i]; i = num_layers: after the last layer) of each
-        id in layer_ids into rows [0, T) of `out` [rows, len(layer_ids) * hidden], block s for
-        layer_ids[s]. `out` is a fixed buffer, so the decode and verify CUDA graphs capture the
-        writes as they are (an EAGLE-3 head reads them; docs/eagle3-design.md)."""
+        any norm: transformers' hidden_states[i]; i = num_layers: after the last layer; NORMED: the
+        final norm's output) of each id in layer_ids into rows [0, T) of `out` [rows,
+        len(layer_ids) * hidden], block s for layer_ids[s]. `out` is a fixed buffer, so the decode
+        and verify CUDA graphs capture the writes as they are (an EAGLE-3 head reads them,
+        docs/eagle3-design.md; an MTP head the normed output)."""
         self.captures = {}
         for slot, i in enumerate(layer_ids):
             self.captures.setdefault(i, []).append(slot)
@@ -165,7 +174,10 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         if self.captures:
             self._capture(len(self.layers), x, residual)
-        return self.norm(x, residual)[0]
+        out = self.norm(x, residual)[0]
+        if NORMED in self.captures:
+            self._capture(NORMED, out, None)
+        return out
 
     def cost(self, step: StepShape) -> list[OpCost]:
         w, T = self.embed_tokens.weight, step.num_tokens
@@ -186,9 +198,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     checkpoint_name_map = CHECKPOINT_NAME_MAP
 
-    def checkpoint_slot(self, name: str) -> tuple[str, str | None]:
+    def checkpoint_slot(self, name: str) -> tuple[str | None, str | None]:
         """A checkpoint tensor's (ridge parameter name, shard id or None). DeepSeek's attention
-        projections keep their own names (MLA merges none of them)."""
+        projections keep their own names (MLA merges none of them); DeepSeek-V3's multi-token-prediction
+        layers after the last decoder layer are not the model's (None: transformers skips them too)."""
+        if self.cfg.mla is not None and layer_index(name) >= self.cfg.num_layers:
+            return None, None
         parts = [RENAMED.get(p, p) for p in name.split(".")]
         if self.cfg.mla is not None and "self_attn" in parts:
             return ".".join(parts), None

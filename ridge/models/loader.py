@@ -45,12 +45,6 @@ DUMMY_STD = 0.02
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _layer_index(name: str) -> int:
-    """The decoder layer a checkpoint tensor belongs to ("model.layers.<i>...."), else -1."""
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
-
-
 def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -160,11 +154,9 @@ def load_weights(model: torch.nn.Module, path: str, cfg: ModelConfig, show_progr
                         name, tensor = got
                     if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                         continue
-                    if cfg.mla is not None and _layer_index(name) >= cfg.num_layers:
-                        continue        # DeepSeek-V3's multi-token-prediction layers: transformers skips them too
                     pname, shard = model.checkpoint_slot(name)
                     if pname is None:
-                        continue            # a tensor the model does not use (an EAGLE-3 head's t2d)
+                        continue            # a tensor the model does not use (an EAGLE-3 head's t2d, MTP layers)
                     if (pname, shard) not in expected:
                         if drop_zero_biases and name.endswith(".bias") and not f.get_tensor(name).any():
                             continue        # AutoGPTQ writes zero biases for layers that have none (vLLM skips them)

@@ -74,13 +74,22 @@ class MLAttention(nn.Module):
         for proj, rows in ((q, q_rows), (self.kv_a_proj_with_mqa, kv_rows)):
             proj.permute_outputs(rows)
 
+    def _latent(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed latent [T, r], k_pe [T, rope]) of x's rows: what the cache holds of them."""
+        m = self.mla
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(latent.contiguous()), k_pe
+
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         m, H = self.mla, self.cfg.num_heads
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        out = self.attn(positions, q.view(-1, H, m.qk_nope_head_dim + m.qk_rope_head_dim),
-                        self.kv_a_layernorm(latent.contiguous()), k_pe, self.kv_b_proj.weight, kv_cache, meta)
+        out = self.attn(positions, q.view(-1, H, m.qk_nope_head_dim + m.qk_rope_head_dim), *self._latent(x),
+                        self.kv_b_proj.weight, kv_cache, meta)
         return self.o_proj(out.reshape(-1, H * m.v_head_dim))
+
+    def write_kv(self, positions, x, kv_cache, slot_mapping: torch.Tensor) -> None:
+        """The cache entries of x's rows, without the query or attending (LatentAttention.write_kv)."""
+        self.attn.write_kv(positions, *self._latent(x), kv_cache, slot_mapping)
 
     def cost(self, step: StepShape) -> list[OpCost]:
         T, m = step.num_tokens, self.mla

@@ -88,7 +88,7 @@ class ModelRunner:
         # on_step_end(phase, arg), phase "execute" (arg: the step) or "sample" (arg: the sequences)
         self.step_observers: list = []
         # called as hidden_sink(sched, plan, rows) after every step's forward, before the next one can
-        # overwrite `captured` (capture_hidden): an EAGLE-3 proposer's record of the target's states
+        # overwrite `captured` (capture_hidden): a head proposer's record of the target's states (EAGLE-3, MTP)
         self.hidden_sink = None
         self.captured: torch.Tensor | None = None
         if workers is not None:

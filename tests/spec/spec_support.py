@@ -11,6 +11,7 @@ DRAFT = os.path.join(os.path.dirname(DEMO), "demo-code-3m")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 EAGLE3 = {"method": "eagle3", "model": "demo-code-12m-eagle3", "num_speculative_tokens": 4}   # the demo model's head
+MTP = {"method": "mtp", "num_speculative_tokens": 3}       # the target's own multi-token-prediction layer
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -19,7 +20,7 @@ def draft_model(path, k=3):
 
 
 def config_of(proposer: str, draft: str) -> dict:
-    return {"ngram": NGRAM, "suffix": SUFFIX, "eagle3": EAGLE3}.get(proposer) or draft_model(draft)
+    return {"ngram": NGRAM, "suffix": SUFFIX, "eagle3": EAGLE3, "mtp": MTP}.get(proposer) or draft_model(draft)
 
 
 def repetitive(salt: int, n: int = 40) -> list[int]:

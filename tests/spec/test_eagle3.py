@@ -3,7 +3,6 @@ torch reference (tests/spec/eagle3_reference.py) on a tiny random 4-layer Llama 
 captured target states, the head's logits row for row, every draft the proposer makes while
 verification accepts 0..k of them, greedy identity, the sampled distribution and the config
 errors."""
-import dataclasses
 import json
 import os
 import shutil
@@ -11,8 +10,9 @@ import shutil
 import pytest
 import torch
 from tests.spec.eagle3_reference import ReferenceHead, target_states, write_echo_head, write_head
+from tests.spec.head_support import (captured_generation, check_head, check_sampled_distribution, splice_drafts,
+                                     static_equals_eager)
 from tests.spec.spec_support import llm
-from tests.spec.test_speculative import _accept_all, _chi2_quantile, _second_tokens, _two_sample_chi2
 from tests.tests_support import prompt_of
 
 from ridge import LLM, SamplingParams
@@ -58,52 +58,17 @@ def test_captured_states_and_head_logits_match_the_reference(ckpts, plain, layou
     target, head_dir, hf = ckpts[0], ckpts[layout], ckpts[3]
     spec = llm(target, speculative_config=eagle(head_dir))
     prop = spec.engine.speculator.proposer
-    seen = {}
-    record = prop.record
-
-    def snoop(sched, plan, rows):      # a rejected draft's row is overwritten by the next step's first
-        for item, (first, n) in zip(sched.scheduled, rows):
-            for j in range(n):
-                seen[item.start + j] = prop.target.captured[first + j].clone()
-        record(sched, plan, rows)
-    prop.target.hidden_sink = snoop
-    prompt = PROMPTS[3]
-    out = spec.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
-    toks = prompt + out[0].outputs[0].token_ids
+    toks, seen = captured_generation(spec, PROMPTS[3])
     want = target_states(hf, toks)
-    torch.testing.assert_close(torch.stack([seen[p] for p in range(len(toks) - 1)]), want[:-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(seen, want[:-1], atol=1e-5, rtol=1e-5)
     assert not plain.engine.runner.model.model.captures and plain.engine.runner.hidden_sink is None
 
-    ref, head, runner = ReferenceHead(head_dir, hf.model.embed_tokens.weight.float()), prop.head, prop.runner
-    with torch.inference_mode():          # the head is called as the runner calls it
-        T, ps = 12, runner.cfg.page_size
-        table = list(range(runner.kv_cache.shape[2] - 4, runner.kv_cache.shape[2]))    # pages no sequence holds
-        states = head.fuse(want[:T])
-        torch.testing.assert_close(states, ref.fuse(want[:T]), atol=1e-5, rtol=1e-5)
-        ids, positions = toks[1:T + 1], list(range(T))
-        ref_logits, ref_pre = ref.run(ids, positions, states)
-        dev = runner.to_device
-        head.hidden_in[:T].copy_(states)
-        meta = runner.metadata([slot_of(table, p, ps) for p in positions], [0, T], [T], [table])
-        logits = head.compute_logits(head(dev(ids, torch.int64), dev(positions, torch.int64), runner.layer_caches, meta))
-        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
-        assert torch.isinf(logits).sum(-1).eq(512 - 384).all()
-        torch.testing.assert_close(head.hidden_out[:T], ref_pre, atol=1e-4, rtol=1e-4)
-        for j in range(3):                              # chained: the last row's pre and argmax fed back
-            ids.append(int(ref_logits[-1].argmax()))
-            positions.append(T + j)
-            states = torch.cat([states, ref_pre[-1:]])
-            ref_logits, ref_pre = ref.run(ids, positions, states)
-            head.hidden_in[:1].copy_(head.hidden_out[:1] if j else head.hidden_out[T - 1:T])
-            got = prop._decode(DecodeInputs(ids[-1:], [T + j], [slot_of(table, T + j, ps)], [T + j + 1], [table]))
-            torch.testing.assert_close(got[0], ref_logits[-1], atol=1e-4, rtol=1e-4)
-        # the same rows with all but the last written by write_kv: the last row's logits are unchanged
-        runner.kv_cache[:, :, table] = 0
-        head.write_kv(dev(ids[:T - 1], torch.int64), dev(positions[:T - 1], torch.int64), states[:T - 1],
-                      runner.layer_caches, dev([slot_of(table, p, ps) for p in range(T - 1)], torch.int64))
-        head.hidden_in[:1].copy_(states[T - 1:T])
-        got = prop._decode(DecodeInputs([ids[T - 1]], [T - 1], [slot_of(table, T - 1, ps)], [T], [table]))
-        torch.testing.assert_close(got[0], ref.run(ids[:T], positions[:T], states[:T])[0][-1], atol=1e-4, rtol=1e-4)
+    ref = ReferenceHead(head_dir, hf.model.embed_tokens.weight.float())
+    with torch.inference_mode():
+        states = prop.head.fuse(want[:12])
+    torch.testing.assert_close(states, ref.fuse(want[:12]), atol=1e-5, rtol=1e-5)
+    logits = check_head(prop, ref, toks, states)
+    assert torch.isinf(logits).sum(-1).eq(512 - 384).all()
 
 
 def test_every_draft_is_the_reference_heads_while_verification_accepts_0_to_k(ckpts, plain):
@@ -120,24 +85,7 @@ def test_every_draft_is_the_reference_heads_while_verification_accepts_0_to_k(ck
     spec = llm(target, speculative_config=eagle(head_dir), enable_prefix_caching=True, max_num_batched_tokens=24,
                page_size=8, kv_cache_memory=30 * 8 * 4 * 2 * 2 * 16 * 4)    # 30 pages in each pool: preempts
     prop, ref = spec.engine.speculator.proposer, ReferenceHead(head_dir, hf.model.embed_tokens.weight.float())
-    propose, checked, accepted = prop.propose, [0], set()
-
-    def spliced(seqs, limits):
-        got = propose(seqs, limits)
-        for seq, drafts in zip(seqs, got.tokens):
-            toks = list(seq.token_ids)
-            ref_drafts, margins = ref.drafts(target_states(hf, toks), toks, len(drafts))
-            for a, b, m in zip(drafts, ref_drafts, margins):
-                if a != b:                      # only a near-tie may go the other way (then both diverge)
-                    assert m < 1e-4, (toks, drafts, ref_drafts)
-                    break
-            checked[0] += len(drafts)
-            truth = want[tuple(toks[:seq.num_prompt_tokens])][seq.num_output_tokens:]
-            a = (checked[0] + seq.seq_id) % (len(drafts) + 1)
-            accepted.add(min(a, len(truth)))
-            drafts[:a] = truth[:a]
-        return got
-    prop.propose = spliced
+    seen = splice_drafts(prop, want, lambda toks, k: ref.drafts(target_states(hf, toks), toks, k))
     outs = spec.generate(prompts, GREEDY, use_tqdm=False)
     assert tokens(outs) == [want[tuple(p)] for p in prompts]
     forked = spec.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=12, temperature=0, ignore_eos=True),
@@ -145,7 +93,7 @@ def test_every_draft_is_the_reference_heads_while_verification_accepts_0_to_k(ck
     assert [c.token_ids for c in forked.outputs] == [want[tuple(PROMPTS[0])][:12]] * 2
     st = spec.engine.stats()
     assert st.num_preemptions > 0 and st.prompt_tokens < sum(map(len, prompts)) + len(PROMPTS[0])
-    assert checked[0] > 50 and accepted >= {0, 1, 2, 3} and st.spec_num_accepted_tokens > 0
+    assert seen["checked"] > 50 and seen["accepted"] >= {0, 1, 2, 3} and st.spec_num_accepted_tokens > 0
     assert spec.engine.pages.num_free_pages == spec.engine.cfg.num_pages
 
 
@@ -167,19 +115,7 @@ def test_sampled_distribution_is_the_targets_and_a_wrong_rule_is_caught(ckpts, p
     same distribution with EAGLE-3 drafts (k = 2, each drawn from the echo head's q, which the
     target accepts about 40% of the time) as without, and a verification that accepts every
     draft fails it (on 150: it is far off)."""
-    n = 600
-    base = _second_tokens(plain, n)
-    spec_llm = llm(ckpts[0], speculative_config=eagle(ckpts[4], k=2))
-    got = _second_tokens(spec_llm, n)
-    st = spec_llm.engine.stats()
-    assert st.spec_num_draft_tokens == n and 0.2 * n < st.spec_num_accepted_tokens < 0.8 * n
-    stat, df = _two_sample_chi2(base, got)
-    assert stat < _chi2_quantile(df), (stat, df)
-
-    import ridge.engine.spec.speculator as sp
-    monkeypatch.setattr(sp, "verify", lambda drafts, q, p, seeds, steps, greedy, num_draft: _accept_all(drafts, p, num_draft))
-    stat, df = _two_sample_chi2(base[:n // 4], _second_tokens(spec_llm, n // 4))
-    assert stat > _chi2_quantile(df), (stat, df)
+    check_sampled_distribution(plain, llm(ckpts[0], speculative_config=eagle(ckpts[4], k=2)), monkeypatch, (0.2, 0.8))
 
 
 def _variant(src: str, dst: str, config=None, drop=(), tensors=None) -> str:
@@ -235,45 +171,9 @@ def test_draft_steps_on_the_static_path_equal_the_eager_ones(ckpts):
     rope-and-write kernel, then decode steps through the decode graphs' static buffers (three
     sequences padded to a bucket of four, states read from hidden_in), give the torch backend's
     logits; the path a GPU captures, without the capture."""
-    from types import SimpleNamespace
-
-    from ridge.config import EngineConfig, ModelConfig
-    from ridge.engine.spec.eagle import Eagle3Proposer
-    from ridge.runner.model_runner import ModelRunner
+    from ridge.config import ModelConfig
     spec = llm(ckpts[0], speculative_config=eagle(ckpts[1]))
-    eager = spec.engine.speculator.proposer
-    cfg = EngineConfig(model=ckpts[1], attention_backend="triton", max_model_len=32, max_num_seqs=4, page_size=8)
-    runner = ModelRunner(dataclasses.replace(cfg, device=torch.device("cpu"), dtype=torch.float32),
-                         ModelConfig.from_dir(ckpts[1]), show_progress=False)
-    runner.model.share_embedding(eager.head.embed)
-    runner.model.allocate_hidden(4)
-    runner.allocate_kv_cache(12)
-    runner.setup_decode(use_graphs=False)
-    assert runner.decode_graphs is not None and runner.decode_graphs.bucket_for(3) == 4
-    lens, tables = [5, 9, 3], [[0, 1], [2, 3], [4, 5]]
-    g = torch.Generator().manual_seed(3)
-    states = torch.randn(sum(lens) + 3, 64, generator=g)
-    ids = torch.randint(3, 512, (sum(lens) + 3,), generator=g).tolist()
-    with torch.inference_mode():
-        logits = []
-        for r in (eager.runner, runner):
-            r.kv_cache.zero_()
-            ps = r.cfg.page_size
-            at, rows, positions, slots = 0, [], [], []
-            for n, t in zip(lens, tables):
-                rows += range(at, at + n - 1)
-                positions += range(n - 1)
-                slots += [slot_of(t, p, ps) for p in range(n - 1)]
-                at += n
-            dev = r.to_device
-            r.model.write_kv(dev([ids[i] for i in rows], torch.int64), dev(positions, torch.int64), states[rows],
-                             r.layer_caches, dev(slots, torch.int64))
-            last = [sum(lens[:i + 1]) - 1 for i in range(3)]
-            r.model.hidden_in[:3].copy_(states[last])
-            step = DecodeInputs([ids[i] for i in last], [n - 1 for n in lens],
-                                [slot_of(t, n - 1, ps) for n, t in zip(lens, tables)], lens, tables)
-            logits.append(Eagle3Proposer._decode(SimpleNamespace(runner=r, head=r.model), step).clone())
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    static_equals_eager(spec.engine.speculator.proposer, ckpts[1], ModelConfig.from_dir(ckpts[1]))
 
 
 def test_item_rows_follow_each_plan_layout():

@@ -220,13 +220,21 @@ def test_abort_and_pages_mid_run():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft", "eagle3"])
-def test_gpu_greedy_follows_plain_decoding(proposer):
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft", "eagle3", "mtp"])
+def test_gpu_greedy_follows_plain_decoding(proposer, tmp_path):
     """On the GPU (bf16, Triton kernels, decode graphs): a verify step's logits come from other
-    kernels than a decode step's, so a near-tie may flip late in a run, never early."""
+    kernels than a decode step's, so a near-tie may flip late in a run, never early. MTP drafts
+    for a tiny random DeepSeek-V3 with an MTP layer its drafts are often accepted from
+    (tests/spec/mtp_reference.py), the others for the demo model."""
     kw = dict(dtype="bfloat16", kv_cache_memory=1 << 28, max_model_len=1024)
-    want = tokens(LLM(DEMO, show_progress=False, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
-    spec = LLM(DEMO, show_progress=False, speculative_config=config_of(proposer, DRAFT), **kw)
+    target = DEMO
+    if proposer == "mtp":
+        from tests.spec.mtp_reference import write_mtp_layer
+
+        from ridge.utils.random_checkpoint import make_random_checkpoint
+        target = write_mtp_layer(make_random_checkpoint(str(tmp_path / "deepseekv3"), arch="deepseekv3"), echo=0.7)
+    want = tokens(LLM(target, show_progress=False, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
+    spec = LLM(target, show_progress=False, speculative_config=config_of(proposer, DRAFT), **kw)
     always_draft(spec)                 # the demo pair is launch-bound: keep drafting
     outs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     for a, b in zip(tokens(outs), want):

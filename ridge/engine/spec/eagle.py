@@ -1,12 +1,16 @@
-"""The EAGLE-3 proposer: drafts from a one-layer head (ridge/models/eagle3.py) that reads the
-target's own hidden states, on a runner of its own (its KV pool, decode path) beside the target's.
+"""The head proposer, for EAGLE-3 (method "eagle3") and DeepSeek-V3's MTP layer ("mtp"): drafts
+from a one-layer head (ridge/models/eagle3.py, ridge/models/mtp.py; their common interface:
+ridge/models/draft_head.py) that reads the target's own hidden states, on a runner of its own (its
+KV pool, decode path) beside the target's.
 
-Where the states come from. The target's runner captures, in every forward, the residual stream
-entering three of its layers into a buffer it owns (ModelRunner.capture_hidden; set up only for
-this proposer, so other engines pay nothing) and calls `record` (its hidden sink) right after the
+Where the states come from. The target's runner captures, in every forward, the states the head
+reads (`capture_ids`: EAGLE-3's, the residual stream entering three of its layers; MTP's, the
+final normed state) into a buffer it owns (ModelRunner.capture_hidden; set up only for this
+proposer, so other engines pay nothing) and calls `record` (its hidden sink) right after the
 forward, before anything can overwrite the buffer: every target step passes through it, the
-overlapped decode steps included. `record` fuses the step's rows (fc, one GEMM) and keeps them,
-per sequence, as the `stash` of states whose head entries are not written yet.
+overlapped decode steps included. `record` fuses the step's rows (EAGLE-3's fc, one GEMM; MTP's
+are taken as they are) and keeps them, per sequence, as the `stash` of states whose head entries
+are not written yet.
 
 The head's cache. Its KV pool has as many pages as the target's and uses the target's page
 numbers (the sequence's own page table): no allocator of its own, preemption, prefix hits and
@@ -52,10 +56,13 @@ from ridge.runner.cuda_graphs import DecodeInputs
 from ridge.runner.model_runner import plain_greedy, slot_of
 
 
-def head_config(cfg: EngineConfig, spec: SpeculativeConfig) -> tuple[EngineConfig, ModelConfig]:
-    """The head's runner settings (the target's, for the head's checkpoint, unquantized) and its
-    ModelConfig. Unlike a draft model the head's max_position_embeddings may be shorter than
-    max_model_len (public heads ship 2048): its rotary tables are built for max_model_len."""
+def head_config(cfg: EngineConfig, spec: SpeculativeConfig, target: ModelConfig) -> tuple[EngineConfig, ModelConfig]:
+    """The head's runner settings and its ModelConfig. EAGLE-3: the target's settings for the head's
+    checkpoint, unquantized; unlike a draft model the head's max_position_embeddings may be shorter
+    than max_model_len (public heads ship 2048): its rotary tables are built for max_model_len.
+    MTP: the target's own settings and checkpoint (quantized as the target is), one layer of it."""
+    if spec.method == "mtp":
+        return dataclasses.replace(cfg, speculative_config=None), target.mtp_head()
     path = model_dir(spec.model)
     return dataclasses.replace(cfg, model=path, quantization=None, speculative_config=None), ModelConfig.from_dir(path)
 
@@ -92,18 +99,18 @@ def known_tokens(seq, drafts: list[int], lo: int, hi: int) -> list[int]:
     return out
 
 
-class Eagle3Proposer:
+class HeadProposer:
     masks_grammar = False    # q is drawn on the device without the grammar's masks (Proposer)
 
     def __init__(self, runner, target_runner, eos_ids: list[int], num_speculative_tokens: int):
-        """runner: the head's (ModelRunner on the head checkpoint); target_runner: the target's, before
+        """runner: the head's (ModelRunner on the head's checkpoint); target_runner: the target's, before
         its start() (the capture buffer is allocated before the KV budget is measured and captured
         by its graphs)."""
         self.runner, self.target, self.eos_ids = runner, target_runner, eos_ids
         self.head = runner.model
         self.head.share_embedding(target_runner.model.model.embed_tokens)
         cfg = runner.cfg
-        ids = runner.model_cfg.eagle.layer_ids(target_runner.model_cfg.num_layers)
+        ids = self.head.capture_ids(target_runner.model_cfg)
         target_runner.capture_hidden(ids, max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_speculative_tokens + 1)))
         self.head.allocate_hidden(cfg.max_num_seqs)        # draft steps: one row a sequence
         target_runner.hidden_sink = self.record

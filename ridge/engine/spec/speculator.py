@@ -356,10 +356,10 @@ def build_speculator(cfg: EngineConfig, model_cfg: ModelConfig, runner, show_pro
                                               spec.suffix_decoding_max_cached_requests), 0.0
     else:
         from ridge.runner.model_runner import ModelRunner
-        if spec.method == "eagle3":
-            from ridge.engine.spec.eagle import Eagle3Proposer, head_config
-            draft_runner = ModelRunner(*head_config(cfg, spec), show_progress=show_progress)
-            proposer = Eagle3Proposer(draft_runner, runner, eos, spec.num_speculative_tokens)
+        if spec.method in ("eagle3", "mtp"):
+            from ridge.engine.spec.eagle import HeadProposer, head_config
+            draft_runner = ModelRunner(*head_config(cfg, spec, model_cfg), show_progress=show_progress)
+            proposer = HeadProposer(draft_runner, runner, eos, spec.num_speculative_tokens)
         else:
             from ridge.engine.spec.draft_model import DraftModelProposer, draft_config
             draft_runner = ModelRunner(*draft_config(cfg, spec), show_progress=show_progress)
