@@ -16,6 +16,7 @@ import torch
 
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
+from ridge.engine.faults import StepFault, check_finite, end_touched, readback_ids
 from ridge.engine.intake import Intake
 from ridge.engine.overlap import DecodeOverlap
 from ridge.engine.pages import PageAllocator
@@ -24,6 +25,7 @@ from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import Scheduler, SchedulerOutput
 from ridge.engine.spec.speculator import SpecStep
 from ridge.layers.sampler import info_on_host
+from ridge.parallel import RankFailure
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_computed = 0
         self.num_decode_steps = 0
+        self.fault: str | None = None               # a step lost the device: no further step runs
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -99,13 +102,21 @@ class Engine:
         """One step; returns an output for every request that got a token (cumulative text and
         ids, for streaming), or with finished_only only for requests that finished: building
         outputs copies each request's lists, which offline callers need not pay every step. With
-        speculation the step runs inside its SpecStep (drafts planned first, the step timed)."""
-        spec = nullcontext() if self.speculator is None else \
-            self.speculator.step(self.scheduler, self.committer, self.overlap.inflight is not None)
-        with spec as turn:
-            if self.overlap.inflight is not None:
-                return self._step_overlapped(turn, finished_only)
-            return self._step(turn, finished_only)
+        speculation the step runs inside its SpecStep (drafts planned first, the step timed). A
+        step that fails ends the requests it touched and raises StepFault (ridge/engine/faults.py)."""
+        if self.fault is not None:
+            raise StepFault(f"the device was lost earlier: {self.fault}", [], fatal=True)
+        try:
+            spec = nullcontext() if self.speculator is None else \
+                self.speculator.step(self.scheduler, self.committer, self.overlap.inflight is not None)
+            with spec as turn:
+                if self.overlap.inflight is not None:
+                    return self._step_overlapped(turn, finished_only)
+                return self._step(turn, finished_only)
+        except RankFailure:
+            raise                   # a tensor-parallel rank is gone: the pool's own failure, said as such
+        except Exception as e:      # noqa: BLE001 - the step's requests fail, not the engine
+            raise end_touched(self, e) from e
 
     def _step(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -128,14 +139,14 @@ class Engine:
             turn.kind = "plain" if decoding else None
         sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
-        tokens, info = self._sample(fwd.logits[rows], seqs)
+        tokens, info, ids = self._sample(fwd.logits[rows], seqs)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
                 and not any(s.request.params.uses_penalties for s in seqs) \
                 and (turn is None or not turn.keeps_drafting()):
-            self.overlap.leave_on_device(seqs, tokens, info, sched)
+            self.overlap.leave_on_device(seqs, tokens, info, ids, sched)
             return []
-        return self._outputs(self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info)),
+        return self._outputs(self.committer.commit(seqs, self._read_ids(ids, seqs), info_on_host(info)),
                              finished_only)
 
     def _commit_verified(self, verified, items: list, logits) -> list[Request]:
@@ -145,8 +156,8 @@ class Engine:
         touched = []
         if rows:
             lasts = self.runner.to_device([verified.plain_rows[r] for r in rows], torch.int64)
-            tokens, info = self._sample(logits[lasts], seqs)
-            touched = self.committer.commit(seqs, self.runner.host_tokens(tokens), info_on_host(info))
+            _, info, ids = self._sample(logits[lasts], seqs)
+            touched = self.committer.commit(seqs, self._read_ids(ids, seqs), info_on_host(info))
         touched += self.committer.commit_runs([i.seq for i in verified.items], verified.tokens, verified.infos)
         for item, run in zip(verified.items, verified.tokens):
             self.scheduler.accept(item, len(run))
@@ -154,10 +165,16 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list):
         """Sample a row per sequence (`logits`: one row each, masked in place), structured outputs'
-        masks applied first."""
+        masks applied first: (ids on the device, logprob info, the ids to read back: readback_ids)."""
         if self.intake.grammars is not None and self.intake.grammars.compiled:
             self.intake.grammars.mask(logits, seqs)
-        return self.runner.sample(logits, seqs, self.eos_ids)
+        tokens, info = self.runner.sample(logits, seqs, self.eos_ids)
+        return tokens, info, readback_ids(logits, tokens)
+
+    def _read_ids(self, ids: torch.Tensor, seqs: list, done=None) -> list[int]:
+        host = self.runner.host_tokens(ids, done)
+        check_finite(host, seqs)
+        return host
 
     def _step_overlapped(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         """Launch the next decode step if it can be decided now, then commit the in-flight
@@ -169,7 +186,7 @@ class Engine:
             prev, unsampled = self.overlap.launch_ahead()
         if self.overlap.inflight is not None or unsampled is not None:
             self.num_decode_steps += 1
-        tokens = self.runner.host_tokens(prev.host, prev.done)
+        tokens = self._read_ids(prev.host, prev.seqs, prev.done)
         outputs = self._outputs(self.committer.commit(prev.seqs, tokens, prev.info, prev.indices), finished_only)
         if unsampled is not None:
             self.overlap.sample_ahead(unsampled)        # the grammars have taken prev's ids: masks are current

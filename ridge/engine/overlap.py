@@ -50,17 +50,19 @@ class UnsampledStep:
 
 class DecodeOverlap:
     def __init__(self, scheduler: Scheduler, runner, max_model_len: int, sample):
-        """`sample(logits, seqs) -> (tokens, info)`: the engine's sampler, masks applied."""
+        """`sample(logits, seqs) -> (tokens, info, readback ids)`: the engine's sampler, masks applied."""
         self.scheduler, self.runner, self.max_model_len, self.sample = scheduler, runner, max_model_len, sample
         self.inflight: InflightStep | None = None
         self.num_overlapped_steps = 0     # decode steps launched before the previous step's ids were read
 
-    def leave_on_device(self, seqs: list[Sequence], tokens: torch.Tensor, info, sched: SchedulerOutput) -> None:
+    def leave_on_device(self, seqs: list[Sequence], tokens: torch.Tensor, info, readback: torch.Tensor,
+                        sched: SchedulerOutput) -> None:
         """The step's ids stay on the device; a sequence that ended meanwhile (its row was computed
-        before its end was known) gets no placeholder, and its id is discarded at commit."""
+        before its end was known) gets no placeholder, and its id is discarded at commit. `readback`:
+        the ids the host reads (ridge.engine.faults.readback_ids: -1 flags non-finite logits)."""
         if info is not None:              # queued before the tokens' copy, whose event then covers them
             info = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in info)
-        host, done = self.runner.tokens_to_host(tokens)
+        host, done = self.runner.tokens_to_host(readback)
         indices = [len(seq.token_ids) for seq in seqs]
         for seq in seqs:
             if not seq.is_finished:
@@ -94,8 +96,7 @@ class DecodeOverlap:
         return prev, None
 
     def sample_ahead(self, ahead: UnsampledStep) -> None:
-        tokens, info = self.sample(ahead.logits, ahead.seqs)
-        self.leave_on_device(ahead.seqs, tokens, info, ahead.sched)
+        self.leave_on_device(ahead.seqs, *self.sample(ahead.logits, ahead.seqs), ahead.sched)
         self.drop_if_ended()
 
     def drop_if_ended(self) -> None:
