@@ -169,7 +169,7 @@ class Engine:
         if self.intake.grammars is not None and self.intake.grammars.compiled:
             self.intake.grammars.mask(logits, seqs)
         tokens, info = self.runner.sample(logits, seqs, self.eos_ids)
-        return tokens, info, readback_ids(logits, tokens)
+        return tokens, info, readback_ids(logits, tokens, all(s.request.params.temperature == 0 for s in seqs))
 
     def _read_ids(self, ids: torch.Tensor, seqs: list, done=None) -> list[int]:
         host = self.runner.host_tokens(ids, done)

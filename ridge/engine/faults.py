@@ -76,17 +76,18 @@ def end_touched(engine, error: Exception) -> StepFault:
     return StepFault(reason, list(touched), fatal)
 
 
-def readback_ids(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The ids to read back to the host: each row's sampled id, or -1 where the row's logit at
-    that id is not finite. The ids are read back anyway (the sampler's one sync), so the check
-    adds no wait of its own, and it reads one logit a row, not the row: the sampled id of a row
-    holding a NaN or +inf is the argmax's (torch's argmax picks a NaN), and a row that overflowed
-    upstream of the logits is non-finite throughout; a sampled token never has a -inf logit.
-    (A lone NaN in an otherwise finite row of a temperature-sampled request goes unseen.)
-    `tokens` itself stays as it is: an overlapped step feeds it to the next forward, which needs
-    valid ids."""
-    chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-    return torch.where(torch.isfinite(chosen), tokens, torch.full_like(tokens, -1))
+def readback_ids(logits: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """The ids to read back to the host: each row's sampled id, or -1 where the row's largest
+    logit is not finite (a NaN or +inf anywhere in the row, or nothing but -inf; a masked -inf
+    beside finite logits is no fault). The ids are read back anyway (the sampler's one sync), so
+    the check adds no wait of its own. It reads one logit a row at the row's argmax (torch's argmax
+    picks a NaN): in a step whose rows are all greedy (`greedy`) that is the sampled id, so the
+    check costs a gather; otherwise the argmax is taken, one pass over the logits beside the
+    sampler's softmax, sort and noise. `tokens` itself stays as it is: an overlapped step feeds it
+    to the next forward, which needs valid ids."""
+    probe = tokens if greedy else logits.argmax(dim=-1)
+    peak = logits.gather(-1, probe[:, None]).squeeze(-1)
+    return torch.where(torch.isfinite(peak), tokens, torch.full_like(tokens, -1))
 
 
 def check_finite(ids: list[int], seqs: list) -> None:

@@ -72,6 +72,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server = build_server(app, cfg)
     client = app.state.engine_client
     # a model that cannot load ends the process rather than leaving a server that only says 503
-    client.on_load_failure = lambda: setattr(server, "should_exit", True)
+    client.on_load_failure = client.on_device_lost = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
-    return 1 if client.model is None else 0
+    return 1 if client.model is None or client.device_lost else 0

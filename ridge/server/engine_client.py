@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ridge.engine.engine import EngineStats
+from ridge.engine.faults import StepFault
 from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
@@ -118,6 +119,8 @@ class EngineClient:
     _pool: ThreadPoolExecutor | None = None
     _closing: bool = False
     on_load_failure: Callable[[], None] | None = None   # called in the engine thread
+    on_device_lost: Callable[[], None] | None = None    # likewise, after a fatal StepFault
+    device_lost: bool = False
 
     # -- front end (event-loop thread) ---------------------------------------------------------
     def start(self) -> None:
@@ -241,7 +244,10 @@ class EngineClient:
             self._serve()
         finally:
             if self._llm is not None:
-                self._llm.close()       # a tensor-parallel engine's workers stop now, not at exit
+                try:
+                    self._llm.close()   # a tensor-parallel engine's workers stop now, not at exit
+                except Exception:       # noqa: BLE001 - a lost device may refuse its own teardown
+                    log.exception("engine teardown failed")
             # frozen objects are never collected, not even at exit: the cycles loading made would
             # outlive the interpreter, and Triton's bindings (nanobind) print each as a leak
             gc.unfreeze()
@@ -310,6 +316,11 @@ class EngineClient:
             log.error("engine failed: %s", e)
             self._die(f"the engine failed: {e}")
             return
+        except StepFault as e:
+            log.error("%s", e, exc_info=e.__cause__)
+            if e.fatal:
+                return self._lose_device(e.reason)
+            return self._fail(e.request_ids, f"the engine failed while running this request ({e.reason})")
         except Exception as e:          # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             self._recover(f"the engine failed while running this request ({type(e).__name__})")
@@ -326,36 +337,42 @@ class EngineClient:
         self._deliver(batch)
 
     def _recover(self, message: str) -> None:
-        """After a failed step every sequence of the batch is in an unknown state: fail every
-        request in flight, which returns all their pages. If the pool then is not entirely
-        free, the engine's bookkeeping is broken and it is declared dead (503 from then on)."""
-        engine = self._llm.engine
-        now = time.monotonic()
-        batch = []
+        """A step failed outside the engine's fault handling (no StepFault): fail every request in
+        flight, which returns all their pages; a pool not then entirely free means broken
+        bookkeeping, and the engine is declared dead (503 from then on)."""
+        engine, request_ids = self._llm.engine, list(self._sinks)
         try:
-            for rid, sink in list(self._sinks.items()):
+            for rid in request_ids:
                 engine.abort(rid)
-                batch.append((sink, EngineItem(rid, None, now, error=message)))
-            self._sinks.clear()
             st = engine.stats()
             healthy = not engine.has_unfinished() and st.num_free_pages == st.num_pages
         except Exception:               # noqa: BLE001
             log.exception("engine recovery failed")
             healthy = False
-        self._deliver(batch)
+        self._fail(request_ids, message)
         if not healthy:
             self._die("the engine failed and could not recover")
+
+    def _fail(self, request_ids: list[str], message: str, stopped: bool = False) -> None:
+        """End these requests (the engine has ended them and freed their pages) with `message`."""
+        now = time.monotonic()
+        self._deliver([(self._sinks.pop(rid), EngineItem(rid, None, now, error=message, stopped=stopped))
+                       for rid in request_ids if rid in self._sinks])
+
+    def _lose_device(self, reason: str) -> None:
+        """A CUDA context error: every request ends, /health answers 503 and the process exits
+        (non-zero), for a supervisor to start a fresh one."""
+        self.device_lost = True
+        self._die(f"the engine lost its device ({reason}); the server is exiting")
+        if self.on_device_lost is not None:
+            self.on_device_lost()
 
     def _die(self, message: str) -> None:
         self._fail_all(DEAD, message)
 
     def _fail_all(self, state: str, message: str) -> None:
         self.state, self.error = state, message
-        now = time.monotonic()
-        batch = [(sink, EngineItem(rid, None, now, error=message, stopped=state == STOPPED))
-                 for rid, sink in self._sinks.items()]
-        self._sinks.clear()
-        self._deliver(batch)
+        self._fail(list(self._sinks), message, stopped=state == STOPPED)
 
     def _deliver(self, batch: list) -> None:
         if batch:

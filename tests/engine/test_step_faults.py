@@ -13,10 +13,10 @@ import torch
 from ridge import LLM, SamplingParams
 from ridge.assets import demo_model_path
 from ridge.engine.faults import NonFiniteLogits, StepFault, readback_ids, unrecoverable
+from tests.fault_injection import DEVICE_LOST, FAULTS, fail_runner, inject
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = ["def add(a, b):", "import os\n"]
-DEVICE_LOST = "CUDA error: an illegal memory access was encountered"
 
 
 def demo_llm(**kw) -> LLM:
@@ -44,62 +44,9 @@ def assert_all_free(llm: LLM) -> None:
     assert not engine.has_unfinished() and not engine.requests and engine.overlap.inflight is None
 
 
-def fail_runner(monkeypatch, llm: LLM, at: int, error: Exception | None = None, poison: bool = False) -> list:
-    """The runner's forward (`run`, every step's, the overlapped ones' too) raises `error` at its
-    `at`-th call from now, or with `poison` returns that call's logits with a NaN in row 0;
-    the other calls run as they would. Returns the list of calls made."""
-    runner, calls = llm.engine.runner, []
-    run = runner.run
-
-    def faulty(plan, previous=None):
-        calls.append(1)
-        if len(calls) == at and error is not None:
-            raise error
-        out = run(plan, previous)
-        if len(calls) == at and poison:
-            with torch.inference_mode():
-                out.logits[0, 3] = float("nan")
-        return out
-
-    monkeypatch.setattr(runner, "run", faulty)
-    return calls
-
-
-class BrokenTokenizer:
-    """The tokenizer, whose detokenizing fails at its `at`-th use (the tokenizers library raises a
-    bare Exception for an id it cannot decode)."""
-
-    def __init__(self, tokenizer, at: int):
-        self._tokenizer, self._at, self._uses = tokenizer, at, 0
-
-    @property
-    def backend_tokenizer(self):
-        self._uses += 1
-        if self._uses == self._at:
-            raise Exception("tokenizer: could not decode token")
-        return self._tokenizer.backend_tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
-def inject(kind: str, monkeypatch, llm: LLM):
-    if kind == "kernel error":                      # in a decode step
-        fail_runner(monkeypatch, llm, 2, RuntimeError("triton: kernel launch failed"))
-    elif kind == "out of memory in a prefill":      # the first step of fresh requests is their prefill
-        fail_runner(monkeypatch, llm, 1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    elif kind == "non-finite logits":
-        fail_runner(monkeypatch, llm, 2, poison=True)
-    else:                                           # after the first request's first token
-        monkeypatch.setattr(llm.engine.committer, "tokenizer", BrokenTokenizer(llm.engine.committer.tokenizer, 2))
-
-
-FAULTS = ["kernel error", "out of memory in a prefill", "non-finite logits", "tokenizer error on detokenize"]
-
-
 @pytest.mark.parametrize("kind", FAULTS)
 def test_a_fault_ends_the_steps_requests_and_the_engine_serves_on(demo, clean, monkeypatch, kind):
-    inject(kind, monkeypatch, demo)
+    inject(kind, monkeypatch, demo.engine)
     # a request with n = 2 beside a plain one: every sample of a request in the step ends
     params = [GREEDY, SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=6, ignore_eos=True)]
     with pytest.raises(StepFault) as e:
@@ -119,7 +66,7 @@ def test_a_fault_spares_the_requests_waiting_outside_the_step(monkeypatch):
     engine = llm.engine
     engine.add_request(PROMPTS[0], GREEDY, request_id="running")
     engine.add_request(PROMPTS[1], GREEDY, request_id="waiting")        # no seat for it yet
-    fail_runner(monkeypatch, llm, 2, RuntimeError("triton: kernel launch failed"))
+    fail_runner(monkeypatch, llm.engine, 2, RuntimeError("triton: kernel launch failed"))
     with pytest.raises(StepFault) as e:
         for _ in range(3):
             engine.step()
@@ -147,8 +94,8 @@ def test_a_fault_on_the_overlapped_path_drops_the_step_launched_ahead(overlapped
     prompts, params = [[5, 9, 13], [7, 7, 7, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     clean = token_ids(overlapped.generate(prompts, params, use_tqdm=False))
     before = overlapped.engine.stats().num_overlapped_steps
-    calls = fail_runner(monkeypatch, overlapped, 4, RuntimeError("triton: kernel launch failed")) \
-        if kind == "kernel error" else fail_runner(monkeypatch, overlapped, 3, poison=True)
+    calls = fail_runner(monkeypatch, overlapped.engine, 4, RuntimeError("triton: kernel launch failed")) \
+        if kind == "kernel error" else fail_runner(monkeypatch, overlapped.engine, 3, poison=True)
     with pytest.raises(StepFault) as e:
         overlapped.generate(prompts, params, use_tqdm=False)
     assert len(e.value.request_ids) == 2 and not e.value.fatal and len(calls) >= 3
@@ -161,7 +108,7 @@ def test_a_fault_on_the_overlapped_path_drops_the_step_launched_ahead(overlapped
 
 def test_a_lost_device_is_fatal(monkeypatch):
     llm = demo_llm()
-    fail_runner(monkeypatch, llm, 1, torch.AcceleratorError(DEVICE_LOST))
+    fail_runner(monkeypatch, llm.engine, 1, torch.AcceleratorError(DEVICE_LOST))
     with pytest.raises(StepFault, match="device is lost") as e:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert e.value.fatal and len(e.value.request_ids) == 2
@@ -188,5 +135,8 @@ def test_readback_flags_exactly_the_non_finite_rows():
                            [-float("inf")] * 3,
                            [1.0, 0.5, 0.0]])
     tokens = logits.argmax(-1)
-    assert readback_ids(logits, tokens).tolist() == [1, -1, -1, -1, 0]
+    assert readback_ids(logits, tokens, greedy=True).tolist() == [1, -1, -1, -1, 0]
     assert tokens.tolist()[1:4] == [0, 0, 0]                   # the device's ids stay valid inputs
+    # sampled rows: the id drawn need not be the argmax; the check still sees the NaN and the inf
+    drawn = torch.tensor([0, 1, 1, 2, 1])
+    assert readback_ids(logits, drawn, greedy=False).tolist() == [0, -1, -1, -1, 1]
