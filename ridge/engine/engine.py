@@ -87,6 +87,11 @@ class Engine:
             self.scheduler.abort_request(req)
         self.overlap.drop_if_ended()
 
+    def release(self) -> None:
+        """Drop what the engine itself keeps on the device (LLM.close; the runners drop the rest):
+        an overlapped step's ids, and the speculator with its proposer's per-sequence states."""
+        self.overlap.inflight, self.speculator = None, None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.overlap.inflight is not None
 

@@ -23,13 +23,16 @@ from ridge.runner.workers import WorkerPool, serve_launched
 from ridge.settings import fields as setting_fields
 
 
-def release_devices(workers, runners: list) -> None:
+def release_devices(workers, runners: list, engines: list) -> None:
     """Give back what an LLM holds on its devices: the tensor-parallel workers stop (rank 0's CUDA
-    graphs go before it leaves the group), each runner drops its graphs, KV pool and model, then
-    whatever only reference cycles still held is collected and the caching allocator's free blocks
-    go back to the driver, so the next engine in this process finds the memory free."""
+    graphs go before it leaves the group), the engine drops its own device state (Engine.release),
+    each runner drops its graphs, KV pool and model, then whatever only reference cycles still held
+    is collected and the caching allocator's free blocks go back to the driver, so the next engine
+    in this process finds the memory free."""
     if workers is not None:
         workers.close()
+    for engine in engines:
+        engine.release()
     for runner in runners:
         runner.close()
     gc.collect()
@@ -81,9 +84,11 @@ class LLM:
             raise
         # the devices are given back (the workers stop, the ring's segment goes) when the LLM is closed or
         # collected, or at exit; the finaliser holds the runners, not the LLM
-        self._workers = workers
-        self._close = weakref.finalize(self, release_devices, workers, [r for r in (runner, draft_runner) if r])
+        self._workers, engines = workers, []
+        self._close = weakref.finalize(self, release_devices, workers, [r for r in (runner, draft_runner) if r],
+                                       engines)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
+        engines.append(self.engine)     # the engine holds no reference back to the LLM: no cycle
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default
         self.encoder = self.engine.intake.encoder       # text -> ids, thread safe (None: no tokenizer)
         # id -> (the text it contributes, its bytes), as logprobs name tokens; thread safe (a cache of pure results)

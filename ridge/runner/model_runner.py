@@ -168,7 +168,7 @@ class ModelRunner:
         object, their memory pool with the last one), the KV pool, the model and the pinned landing
         buffers. Idempotent."""
         self.decode_graphs = self.verify_graphs = self.kv_cache = self.kv_scales = self.model = None
-        self.layer_caches, self._landing = [], []
+        self.captured, self.layer_caches, self._landing = None, [], []
 
     def setup_decode(self, use_graphs: bool, verify_queries: int = 1, verify_max_bs: int = 0) -> None:
         """Static decode buffers (after the KV pool exists), and CUDA graphs unless told not to; only

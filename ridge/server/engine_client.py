@@ -138,6 +138,8 @@ class EngineClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():   # the closed LLM goes (routes, kept by FastAPI's caches, hold this)
+                self._llm = None
 
     async def drain(self, timeout: float, cut_short: Callable[[], bool] = lambda: False) -> None:
         """Graceful shutdown, from the event loop: admit nothing more (adds and /health answer
@@ -235,7 +237,7 @@ class EngineClient:
             gc.freeze()
         except BaseException as e:      # noqa: BLE001 - any load failure leaves a dead engine
             log.exception("engine failed to load")
-            self._die(f"the engine failed to load: {type(e).__name__}")
+            self._fail_all(DEAD, f"the engine failed to load: {type(e).__name__}")
             if self.on_load_failure is not None:
                 self.on_load_failure()
         else:
@@ -263,7 +265,7 @@ class EngineClient:
                 if isinstance(cmd, _Failed):
                     if self.state == READY:
                         log.error("engine failed: %s", cmd.message)
-                        self._die(f"the engine failed: {cmd.message}")
+                        self._fail_all(DEAD, f"the engine failed: {cmd.message}")
                 elif self.state == READY:
                     self._handle(cmd)
                 elif isinstance(cmd, _Add):
@@ -314,7 +316,7 @@ class EngineClient:
             outs = engine.step()
         except RankFailure as e:        # a tensor-parallel rank is gone: no step can run any more
             log.error("engine failed: %s", e)
-            self._die(f"the engine failed: {e}")
+            self._fail_all(DEAD, f"the engine failed: {e}")
             return
         except StepFault as e:
             log.error("%s", e, exc_info=e.__cause__)
@@ -351,24 +353,20 @@ class EngineClient:
             healthy = False
         self._fail(request_ids, message)
         if not healthy:
-            self._die("the engine failed and could not recover")
+            self._fail_all(DEAD, "the engine failed and could not recover")
 
     def _fail(self, request_ids: list[str], message: str, stopped: bool = False) -> None:
-        """End these requests (the engine has ended them and freed their pages) with `message`."""
+        # end these requests (their pages already freed) with `message`
         now = time.monotonic()
         self._deliver([(self._sinks.pop(rid), EngineItem(rid, None, now, error=message, stopped=stopped))
                        for rid in request_ids if rid in self._sinks])
 
     def _lose_device(self, reason: str) -> None:
-        """A CUDA context error: every request ends, /health answers 503 and the process exits
-        (non-zero), for a supervisor to start a fresh one."""
+        """A CUDA context error: every request ends, /health fails, the process exits (status 1)."""
         self.device_lost = True
-        self._die(f"the engine lost its device ({reason}); the server is exiting")
+        self._fail_all(DEAD, f"the engine lost its device ({reason}); the server is exiting")
         if self.on_device_lost is not None:
             self.on_device_lost()
-
-    def _die(self, message: str) -> None:
-        self._fail_all(DEAD, message)
 
     def _fail_all(self, state: str, message: str) -> None:
         self.state, self.error = state, message

@@ -87,6 +87,7 @@ def overlapped(checkpoints):
         yield llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["non-finite logits", "kernel error"])
 def test_a_fault_on_the_overlapped_path_drops_the_step_launched_ahead(overlapped, monkeypatch, kind):
     """A step launched ahead whose predecessor's ids turn out non-finite, or whose own forward
@@ -140,3 +141,38 @@ def test_readback_flags_exactly_the_non_finite_rows():
     # sampled rows: the id drawn need not be the argmax; the check still sees the NaN and the inf
     drawn = torch.tensor([0, 1, 1, 2, 1])
     assert readback_ids(logits, drawn, greedy=False).tolist() == [0, -1, -1, -1, 1]
+
+
+def test_a_fault_in_a_verify_step_frees_the_draft_models_state_too(monkeypatch):
+    """Speculation with a draft model (pages and sequences of its own) and a grammar-constrained
+    request: a fault in a step verifying drafts ends both requests; their draft state goes at the
+    next step's plan, as an aborted sequence's does, and the next call's greedy tokens (drafted and
+    constrained again) equal a clean engine's."""
+    import os
+    draft = os.path.join(os.path.dirname(demo_model_path()), "demo-code-3m")
+    llm = demo_llm(speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    spec = llm.engine.speculator
+    spec.cutoff = llm.engine.cfg.max_num_seqs        # draft at every step, whatever this machine's timings
+    spec.clock.pays, spec.clock.overhead = (lambda batch: True), (lambda batch, draft_cost=0.0: None)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no", "maybe"]})]
+    clean = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    run, faulted = llm.engine.runner.run, []
+
+    def fails_verifying(plan, previous=None):
+        if any(s.draft_token_ids for s in llm.engine.scheduler.running):
+            faulted.extend(s.seq_id for s in llm.engine.scheduler.running)
+            raise RuntimeError("triton: kernel launch failed")
+        return run(plan, previous)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fails_verifying)
+    with pytest.raises(StepFault) as e:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert len(e.value.request_ids) == 2 and faulted
+    assert_all_free(llm)
+    monkeypatch.undo()
+    assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == clean
+    assert llm.engine.stats().spec_num_drafts > 0
+    assert not set(faulted) & set(spec.proposer.states)
+    assert_all_free(llm)
+    llm.close()
