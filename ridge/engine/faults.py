@@ -84,7 +84,8 @@ def readback_ids(logits: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> to
     picks a NaN): in a step whose rows are all greedy (`greedy`) that is the sampled id, so the
     check costs a gather; otherwise the argmax is taken, one pass over the logits beside the
     sampler's softmax, sort and noise. `tokens` itself stays as it is: an overlapped step feeds it
-    to the next forward, which needs valid ids."""
+    to the next forward, which needs valid ids. (Rows verified against drafts are sampled by the
+    speculator's verification, ridge/engine/spec, and not checked here.)"""
     probe = tokens if greedy else logits.argmax(dim=-1)
     peak = logits.gather(-1, probe[:, None]).squeeze(-1)
     return torch.where(torch.isfinite(peak), tokens, torch.full_like(tokens, -1))
