@@ -152,7 +152,7 @@ def _gauges(client_text: str, pid: int | None) -> dict:
 
     m = {s.name: s.value for fam in text_string_to_metric_families(client_text) for s in fam.samples if not s.labels}
     return dict(running=m.get("ridge_num_requests_running"), waiting=m.get("ridge_num_requests_waiting"),
-                pages_used=m.get("ridge_kv_cache_pages", 0) - m.get("ridge_kv_cache_free_pages", 0),
+                pages=m.get("ridge_kv_cache_pages"), pages_used=m.get("ridge_kv_cache_pages", 0) - m.get("ridge_kv_cache_free_pages", 0),
                 rss=rss_bytes(pid) if pid else None)
 
 
@@ -295,7 +295,8 @@ def print_soak_bench(r: dict) -> None:
     print(format_table(["window", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                         "pages used (mean)", "RSS max MiB"], rows))
     f = s["after_drain"]
-    print(f"after the load: {f['running']:.0f} running, {f['waiting']:.0f} waiting, {f['pages_used']:.0f} pages in use")
+    print(f"after the load: {f['running']:.0f} running, {f['waiting']:.0f} waiting, {f['pages_used']:.0f} of "
+          f"{f['pages']:.0f} pages in use")
 
 
 def cmd_soak_bench(a: argparse.Namespace) -> int:
