@@ -81,15 +81,16 @@ def write_json(path: str, version: int, payload: dict) -> None:
 
 @contextlib.contextmanager
 def locked(path: str):
-    """Hold an advisory lock beside path (path + ".lock") for a read-merge-write, so two processes
-    adding entries to one table keep both's."""
+    """Hold an advisory lock on path's directory for a read-merge-write, so two processes adding
+    entries to one table keep both's (the directory, not a lock file beside the table: the cache
+    holds only what it caches)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(f"{path}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                               # closing the descriptor releases the lock
 
 
 def cached(path: str, version: int, measure: Callable[[], dict], remeasure: bool = False) -> dict:
