@@ -62,7 +62,11 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = logits - b.frequency_penalty[:, None] * b.output_counts
         logits = logits - b.presence_penalty[:, None] * (b.output_counts > 0).float()
     if b.banned is not None:
-        logits = logits.masked_fill(b.banned, float("-inf"))
+        # min_tokens bans the stop tokens, except in a row where they are all that is left: a
+        # structured output's grammar at its end allows only them, and there the grammar wins (the
+        # output is complete; a row of nothing but -inf has no token to draw)
+        banned = logits.masked_fill(b.banned, float("-inf"))
+        logits = torch.where((banned > float("-inf")).any(dim=-1, keepdim=True), banned, logits)
     return logits
 
 

@@ -116,6 +116,24 @@ def test_overlapped_decode_under_grammars_matches_synchronous():
     assert runs[True][0].finish_reason == runs[True][2].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_min_tokens_past_the_grammars_end_gives_way_to_the_grammar(demo, temperature):
+    """min_tokens bans the stop tokens, but a grammar at its end allows nothing else: there the
+    grammar wins and the request ends complete ("stop", fewer tokens than min_tokens; found by the
+    server's schema fuzzing: every logit was -inf and the draw fell outside the grammar). Where
+    the grammar allows more than a stop, min_tokens still holds: the regex's digits run on to three,
+    its longest (after one or two a stop was allowed, and banned)."""
+    for kind in ("choice", "json"):            # grammars that end: a bounded schema, a choice
+        params = constrained(kind, min_tokens=160, temperature=temperature, seed=1, max_tokens=160)
+        out = demo.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) < 160, out
+        check(kind, out.text)
+    out = demo.generate(PROMPTS[0], constrained("regex", min_tokens=20, temperature=temperature, seed=1),
+                        use_tqdm=False)[0].outputs[0]
+    check("regex", out.text)
+    assert out.finish_reason == "stop" and re.fullmatch(r"[a-z]{2,5}_[0-9]{3}", out.text), out
+
+
 def test_a_length_limit_inside_the_structure_says_length(demo):
     out = demo.generate(PROMPTS[0], constrained("json", max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
