@@ -76,8 +76,9 @@ def filter_probs(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     drop = rank >= b.top_k[:, None]
     # keep the smallest prefix whose mass reaches top_p (the first token always stays); top_p = 1
-    # keeps everything: in float32 the mass before a far-tail token can round to 1
-    drop |= ((sorted_p.cumsum(-1) - sorted_p) >= b.top_p[:, None]) & (b.top_p[:, None] < 1)
+    # keeps everything: in float32 the mass before a far-tail token can round to 1; a top_p below
+    # float32's least (5e-324, valid) reads as 0 and still keeps the first
+    drop |= ((sorted_p.cumsum(-1) - sorted_p) >= b.top_p[:, None]) & (b.top_p[:, None] < 1) & (rank > 0)
     drop |= sorted_p < b.min_p[:, None] * sorted_p[:, :1]
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
 

@@ -137,3 +137,12 @@ def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_llm):
         assert entry[tok].rank == 1 and len(entry) == 3
         assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
         assert all(e.logprob <= 0 for e in entry.values())
+
+
+def test_a_top_p_below_float32s_least_still_keeps_the_first_token():
+    """top_p = 5e-324 is valid (> 0) and reads as 0 in float32: the nucleus is the top token alone,
+    never empty (an empty one drew token 0, outside a grammar: the server's schema fuzzing)."""
+    probs = torch.tensor([[0.1, 0.6, 0.3]])
+    top_p = torch.tensor([5e-324], dtype=torch.float64).float()
+    assert top_p.item() == 0.0
+    assert (filter_probs(probs, _batch(1, 3, top_p=top_p)) > 0).tolist() == [[False, True, False]]
