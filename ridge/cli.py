@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ridge.quantize.command import add_quantize_parser
     add_quantize_parser(sub)
 
+    from ridge.utils.trace_explain import add_trace_parser
+    add_trace_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, soak")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from ridge.bench.latency import add_latency_parser

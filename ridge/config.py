@@ -118,6 +118,14 @@ def _device_check(value) -> str | None:
     return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
 
 
+def _trace_dir_check(value) -> str | None:
+    if not value:
+        return "must name a directory, got an empty string"
+    if os.path.exists(value) and not os.path.isdir(value):
+        return f"is a file, not a directory: {value!r}"
+    return None
+
+
 def _bytes(text: str) -> int:
     """Command-line bytes: an integer, also written as a float (4e6) or with a K/M/G/T(iB) suffix."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -214,6 +222,11 @@ class EngineConfig:
         help="torch's compute threads in each engine process (torch.set_num_threads): on a CPU machine shared "
              "with other work, fewer threads than cores keep a step from waiting on a descheduled one",
         default_text="torch's: one per core; with tensor_parallel_size N on a CPU, the cores / N")
+    trace_dir: str | None = setting(
+        None, check=_trace_dir_check, help="write a trace of the serving path here (Chrome trace format, Perfetto opens it): the engine's "
+                   "steps and their phases, garbage collections, Triton compiles and autotuning, a late event loop, "
+                   "and each stall (a request's gap between two tokens over 10x the median); `ridge trace FILE` "
+                   "names what overlapped each stall", default_text="off")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
     # speculative_config parsed, once, at construction: what everything below reads
     speculation: SpeculativeConfig | None = field(default=None, init=False, repr=False, compare=False)

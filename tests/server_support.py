@@ -49,15 +49,16 @@ class Served:
 
 
 class ServeProcess:
-    """`ridge serve` in a subprocess on a free loopback port (--port 0, the CPU), its log in a
+    """`ridge serve` in a subprocess on a free loopback port (--port 0, the CPU unless `device`), its log in a
     file; `wait_ready` reads the address it announces once its engine has loaded. `script`: Python
     run in place of `-m ridge` (to slow the engine down, say), with the same arguments."""
 
-    def __init__(self, args: list[str], log_path, script: str | None = None, env: dict | None = None):
+    def __init__(self, args: list[str], log_path, script: str | None = None, env: dict | None = None,
+                 device: str = "cpu"):
         self.log_path = log_path
         self.log_file = open(log_path, "w")
         head = ["-c", script] if script is not None else ["-m", "ridge"]
-        cmd = [sys.executable, *head, "serve", "--device", "cpu", "--port", "0", *args]
+        cmd = [sys.executable, *head, "serve", "--device", device, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd(), **(env or {})))
         self.url = None

@@ -128,11 +128,12 @@ async def _one(client, model: str, req: BenchRequest, temperature: float) -> Req
 
 
 async def stream_completion(client, body: dict, res: RequestResult, cancel_after: int | None = None,
-                            texts: dict[int, str] | None = None) -> RequestResult:
+                            texts: dict[int, str] | None = None, tokens: dict[int, list] | None = None) -> RequestResult:
     """A streamed /v1/completions call (`body`, usage asked for) timed into `res`: TTFT, the gaps
     between token events, e2e, the usage count, or the error (an HTTP status with the API's message,
     an error event, a stream cut before [DONE]). `cancel_after`: the client hangs up after that many
-    token events (a user's cancel); `texts`: each choice's text, by index, gathered here."""
+    token events (a user's cancel); `texts`: each choice's text, by index, gathered here; `tokens`:
+    each choice's (token, top logprobs) pairs, with `logprobs` asked for."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
     last, events, done = None, 0, False
@@ -164,9 +165,12 @@ async def stream_completion(client, body: dict, res: RequestResult, cancel_after
                     else:
                         res.itl.append(now - last)
                     last, events = now, events + 1
-                    if texts is not None:
-                        for c in event["choices"]:
+                    for c in event["choices"]:
+                        if texts is not None:
                             texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
+                        if tokens is not None and c.get("logprobs"):
+                            lp = c["logprobs"]
+                            tokens.setdefault(c["index"], []).extend(zip(lp["tokens"], lp["top_logprobs"]))
                     if cancel_after is not None and events >= cancel_after:
                         return res
                 if event.get("usage"):

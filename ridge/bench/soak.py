@@ -46,6 +46,11 @@ def add_soak_bench_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=60.0, help="seconds compared at the start and the end (default 60)")
     p.add_argument("--cancel-fraction", type=float, default=0.2, help="requests cancelled mid-stream (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=48, help="most tokens a request asks for (default 48)")
+    p.add_argument("--canaries", choices=("exact", "top5"), default="exact",
+                   help="exact: a canary's later answers equal its first (seeded sampling; numerics that do not "
+                        "depend on the batch, as on a CPU); top5: greedy canaries whose later answers may part from "
+                        "the first only where the token taken is among the first answer's five best there (a GPU's "
+                        "kernels split sums by the batch's size, so they round differently) (default exact)")
     p.add_argument("--server-pid", type=int, default=None, help="the server's pid, to sample its RSS (same host)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON here")
@@ -62,6 +67,7 @@ class SoakRequest:
     canary: int | None = None
     result: RequestResult = field(default_factory=lambda: RequestResult(0, 0))
     texts: dict = field(default_factory=dict)
+    tokens: dict = field(default_factory=dict)      # a top5 canary's (token, top logprobs), by choice
     expect: int | None = None              # the 4xx a hostile request must get
     status: int | None = None              # and the one it got
 
@@ -102,13 +108,31 @@ def hostile_body(i: int, model: str, max_len: int) -> tuple[dict | bytes, int]:
             (dict(model=model + "-nope", prompt="x", max_tokens=4), 404)][i % 4]
 
 
+def canary_bodies(model: str, seed: int, mode: str) -> list[dict]:
+    """Four requests sent again and again: seeded samples (exact), or greedy with top-5 logprobs (top5)."""
+    if mode == "top5":
+        return [dict(model=model, prompt=_prompt(random.Random(seed + c)), max_tokens=24, temperature=0.0,
+                     logprobs=5) for c in range(4)]
+    return [dict(model=model, prompt=_prompt(random.Random(seed + c)), max_tokens=24, temperature=0.8,
+                 seed=1000 + c, logprobs=1 if c % 2 else None) for c in range(4)]
+
+
+def same_up_to_ties(first: dict, later: dict) -> bool:
+    """A greedy answer against the first one: equal, or parted where the token it took was among
+    the first answer's five best at that position (then the rest may differ)."""
+    a, b = first.get(0, []), later.get(0, [])
+    for (tok_a, top_a), (tok_b, _) in zip(a, b):
+        if tok_a != tok_b:
+            return tok_b in (top_a or {})
+    return len(a) == len(b)
+
+
 def plan(duration: float, rate: float, cancel_fraction: float, max_tokens: int, model: str, max_len: int,
-         seed: int) -> list[SoakRequest]:
-    """The whole run's requests, sent at their `at`: the Poisson load, a canary every 10 s (four seeded
+         seed: int, canary_mode: str = "exact") -> list[SoakRequest]:
+    """The whole run's requests, sent at their `at`: the Poisson load, a canary every 10 s (four
     requests in turn), a hostile request every 15 s."""
     rng = random.Random(seed)
-    canaries = [dict(model=model, prompt=_prompt(random.Random(seed + c)), max_tokens=24, temperature=0.8,
-                     seed=1000 + c, logprobs=1 if c % 2 else None) for c in range(4)]
+    canaries = canary_bodies(model, seed, canary_mode)
     n = max(1, int(duration * rate))
     reqs = [SoakRequest("load", at, load_body(rng, model, max_tokens),
                         cancel_after=rng.randint(1, 4) if rng.random() < cancel_fraction else None)
@@ -133,7 +157,7 @@ def rss_bytes(pid: int) -> int | None:
 
 async def _send(client, r: SoakRequest) -> None:
     if r.kind != "hostile":
-        await stream_completion(client, r.body, r.result, r.cancel_after, r.texts)
+        await stream_completion(client, r.body, r.result, r.cancel_after, r.texts, r.tokens)
         return
     body = r.body
     try:
@@ -147,12 +171,14 @@ async def _send(client, r: SoakRequest) -> None:
 
 def _gauges(client_text: str, pid: int | None) -> dict:
     """Requests running and waiting, KV pages in use (of the pool, prefix-cached pages count as free:
-    they are reclaimable) from /metrics' text; the server's RSS."""
+    they are reclaimable), preemptions so far, the GPU memory tensors hold (a GPU server) from
+    /metrics' text; the server's RSS."""
     from prometheus_client.parser import text_string_to_metric_families
 
     m = {s.name: s.value for fam in text_string_to_metric_families(client_text) for s in fam.samples if not s.labels}
     return dict(running=m.get("ridge_num_requests_running"), waiting=m.get("ridge_num_requests_waiting"),
                 pages=m.get("ridge_kv_cache_pages"), pages_used=m.get("ridge_kv_cache_pages", 0) - m.get("ridge_kv_cache_free_pages", 0),
+                preemptions=m.get("ridge_num_preemptions_total"), gpu_allocated=m.get("ridge_gpu_memory_allocated_bytes"),
                 rss=rss_bytes(pid) if pid else None)
 
 
@@ -203,25 +229,30 @@ def _window(reqs: list[SoakRequest], samples: list[dict], lo: float, hi: float) 
                 ttft_s=summarize([r.ttft for r in ok if r.ttft is not None]),
                 itl_s=summarize([g for r in ok for g in r.itl]),
                 pages_used=summarize([s["pages_used"] for s in taken]),
-                rss_bytes=summarize([s["rss"] for s in taken if s["rss"] is not None]))
+                rss_bytes=summarize([s["rss"] for s in taken if s["rss"] is not None]),
+                gpu_allocated_bytes=summarize([s["gpu_allocated"] for s in taken if s.get("gpu_allocated") is not None]))
 
 
-def summarize_soak(reqs: list[SoakRequest], samples: list[dict], duration: float, final: dict, window: float) -> dict:
+def summarize_soak(reqs: list[SoakRequest], samples: list[dict], duration: float, final: dict, window: float,
+                   canary_mode: str = "exact") -> dict:
     load = [r for r in reqs if r.kind == "load"]
     failed = [r for r in reqs if r.kind != "hostile" and not r.result.ok]
-    first: dict[int, dict] = {}
-    changed = 0
+    first: dict[int, SoakRequest] = {}
+    changed = differ = 0
     for r in sorted((r for r in reqs if r.kind == "canary" and r.result.ok), key=lambda r: r.at):
-        changed += first.setdefault(r.canary, r.texts) != r.texts
+        f = first.setdefault(r.canary, r)
+        differ += f.texts != r.texts
+        changed += f.texts != r.texts if canary_mode == "exact" else not same_up_to_ties(f.tokens, r.tokens)
     hostile = [r for r in reqs if r.kind == "hostile"]
     wrong = [r for r in hostile if r.status != r.expect]
     return dict(
         duration_s=duration, requests=len(load), cancelled=sum(r.cancel_after is not None for r in load),
         output_tokens=sum(r.result.output_tokens for r in load),
         failures=len(failed), errors=sorted({r.result.error for r in failed})[:10],
-        canaries=sum(r.kind == "canary" for r in reqs), canaries_changed=changed,
+        canaries=sum(r.kind == "canary" for r in reqs), canaries_changed=changed, canaries_differing=differ,
         hostile=len(hostile), hostile_wrong=[(r.expect, r.status, r.result.error) for r in wrong][:10],
         first=_window(reqs, samples, 0.0, window), last=_window(reqs, samples, duration - window, duration + 1),
+        preemptions=(final.get("preemptions") or 0) - (samples[0].get("preemptions") or 0) if samples else None,
         after_drain=final)
 
 
@@ -264,13 +295,13 @@ def run_soak_bench(a: argparse.Namespace) -> dict:
         if not capacity > 0:
             raise ValueError("request-rate: the server completed no request while its capacity was measured")
     rate = a.request_rate or a.capacity_fraction * capacity
-    reqs = plan(a.duration, rate, a.cancel_fraction, a.max_tokens, model, max_len, a.seed)
+    reqs = plan(a.duration, rate, a.cancel_fraction, a.max_tokens, model, max_len, a.seed, a.canaries)
     samples, duration, final = asyncio.run(_run(a.base_url, reqs, a.server_pid, every=2.0))
     return dict(config=dict(base_url=a.base_url, model=model, duration=a.duration, request_rate=rate,
                             capacity_requests_per_s=capacity,
                             cancel_fraction=a.cancel_fraction, max_tokens=a.max_tokens, window=a.window, seed=a.seed,
-                            date=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
-                summary=summarize_soak(reqs, samples, duration, final, a.window), samples=samples,
+                            canaries=a.canaries, date=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+                summary=summarize_soak(reqs, samples, duration, final, a.window, a.canaries), samples=samples,
                 requests=[dict(kind=r.kind, at=r.at, cancel_after=r.cancel_after, status=r.status,
                                **asdict(r.result)) for r in reqs])
 
@@ -280,9 +311,10 @@ def print_soak_bench(r: dict) -> None:
     c = r["config"]
     if c["capacity_requests_per_s"] is not None:
         print(f"capacity {c['capacity_requests_per_s']:.2f} requests/s; the soak's rate {c['request_rate']:.2f}/s")
+    parted = f", {s['canaries_differing']} parted at a top-5 token" if c["canaries"] == "top5" else ""
     print(f"{s['requests']} requests ({s['cancelled']} cancelled) in {s['duration_s']:.0f} s, "
           f"{s['output_tokens']} tokens; {s['failures']} failed; canaries {s['canaries']} "
-          f"({s['canaries_changed']} changed); hostile {s['hostile']} ({len(s['hostile_wrong'])} answered wrongly)")
+          f"({s['canaries_changed']} changed{parted}); hostile {s['hostile']} ({len(s['hostile_wrong'])} answered wrongly)")
     for e in s["errors"]:
         print(f"  error: {e}")
     rows = []
@@ -291,10 +323,13 @@ def print_soak_bench(r: dict) -> None:
         rss = (w["rss_bytes"] or {}).get("max")
         rows.append([f"{name} {w['start_s']:.0f}-{w['end_s']:.0f} s", w["requests"]]
                     + [fmt((w[k] or {}).get(q), ".1f", 1e3) for k in ("ttft_s", "itl_s") for q in ("median", "p99")]
-                    + [fmt((w["pages_used"] or {}).get("mean"), ".0f"), fmt(rss, ".0f", 2 ** -20)])
+                    + [fmt((w["pages_used"] or {}).get("mean"), ".0f"), fmt(rss, ".0f", 2 ** -20),
+                       fmt((w.get("gpu_allocated_bytes") or {}).get("max"), ".0f", 2 ** -20)])
     print(format_table(["window", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                        "pages used (mean)", "RSS max MiB"], rows))
+                        "pages used (mean)", "RSS max MiB", "GPU allocated max MiB"], rows))
     f = s["after_drain"]
+    if s.get("preemptions"):
+        print(f"{s['preemptions']:.0f} sequences preempted for lack of KV pages")
     print(f"after the load: {f['running']:.0f} running, {f['waiting']:.0f} waiting, {f['pages_used']:.0f} of "
           f"{f['pages']:.0f} pages in use")
 

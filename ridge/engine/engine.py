@@ -26,6 +26,7 @@ from ridge.engine.scheduler import Scheduler, SchedulerOutput
 from ridge.engine.spec.speculator import SpecStep
 from ridge.layers.sampler import info_on_host
 from ridge.parallel import RankFailure
+from ridge.utils import trace
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.abort_request(req)
+            trace.forget(request_id)
         self.overlap.drop_if_ended()
 
     def release(self) -> None:
@@ -114,7 +116,7 @@ class Engine:
         try:
             spec = nullcontext() if self.speculator is None else \
                 self.speculator.step(self.scheduler, self.committer, self.overlap.inflight is not None)
-            with spec as turn:
+            with trace.span("step"), spec as turn:
                 if self.overlap.inflight is not None:
                     return self._step_overlapped(turn, finished_only)
                 return self._step(turn, finished_only)
@@ -124,14 +126,18 @@ class Engine:
             raise end_touched(self, e) from e
 
     def _step(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with trace.span("schedule") as span:
+            sched = self.scheduler.schedule()
+            if trace.active() is not None:
+                span.set(seqs=len(sched.scheduled), tokens=sum(i.num_new_tokens for i in sched.scheduled))
         if not sched.scheduled:
             if self.scheduler.has_work() and not self.scheduler.running:
                 # admission checks make this unreachable; fail loudly rather than spin
                 raise RuntimeError("scheduler: waiting requests but nothing can be scheduled")
             return []
         self._count_scheduled(sched)
-        fwd = self.runner.execute(sched)                   # logits: one row per sequence that samples
+        with trace.span("forward"):
+            fwd = self.runner.execute(sched)               # logits: one row per sequence that samples
         for seq, start, targets, info in fwd.prompt_logprobs:
             self.committer.record_prompt_logprobs(seq, start, targets, info)
         items = [item for item in sched.scheduled if item.samples]
@@ -144,7 +150,8 @@ class Engine:
             turn.kind = "plain" if decoding else None
         sampling = [item.seq for item in items]
         seqs, rows = self.scheduler.fork_samples(sampling)
-        tokens, info, ids = self._sample(fwd.logits[rows], seqs)
+        with trace.span("sample"):
+            tokens, info, ids = self._sample(fwd.logits[rows], seqs)
         self.num_decode_steps += fwd.static_decode
         if fwd.static_decode and self.cfg.async_scheduling and len(seqs) == len(sampling) \
                 and not any(s.request.params.uses_penalties for s in seqs) \
@@ -177,7 +184,8 @@ class Engine:
         return tokens, info, readback_ids(logits, tokens, all(s.request.params.temperature == 0 for s in seqs))
 
     def _read_ids(self, ids: torch.Tensor, seqs: list, done=None) -> list[int]:
-        host = self.runner.host_tokens(ids, done)
+        with trace.span("read back"):               # on a GPU: the wait for the step's kernels
+            host = self.runner.host_tokens(ids, done)
         check_finite(host, seqs)
         return host
 
@@ -188,7 +196,8 @@ class Engine:
         if turn is not None and turn.drafts_next:
             prev, self.overlap.inflight = self.overlap.inflight, None   # commit it; the next step drafts
         else:
-            prev, unsampled = self.overlap.launch_ahead()
+            with trace.span("launch ahead"):
+                prev, unsampled = self.overlap.launch_ahead()
         if self.overlap.inflight is not None or unsampled is not None:
             self.num_decode_steps += 1
         tokens = self._read_ids(prev.host, prev.seqs, prev.done)
@@ -219,6 +228,7 @@ class Engine:
             self.pages.register_full_pages(item.seq)
 
     def _outputs(self, touched: list[Request], finished_only: bool) -> list[RequestOutput]:
+        trace.tokens(touched)
         for req in touched:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

@@ -21,14 +21,16 @@ from ridge.runner.model_runner import ModelRunner
 from ridge.parallel import launched
 from ridge.runner.workers import WorkerPool, serve_launched
 from ridge.settings import fields as setting_fields
+from ridge.utils import trace
 
 
-def release_devices(workers, runners: list, engines: list) -> None:
+def release_devices(workers, runners: list, engines: list, tracer=None) -> None:
     """Give back what an LLM holds on its devices: the tensor-parallel workers stop (rank 0's CUDA
     graphs go before it leaves the group), the engine drops its own device state (Engine.release),
     each runner drops its graphs, KV pool and model, then whatever only reference cycles still held
     is collected and the caching allocator's free blocks go back to the driver, so the next engine
-    in this process finds the memory free."""
+    in this process finds the memory free. The trace (trace_dir), if one was kept, is closed."""
+    trace.stop(tracer)
     if workers is not None:
         workers.close()
     for engine in engines:
@@ -63,10 +65,13 @@ class LLM:
                 and launched().rank > 0:
             serve_launched(cfg, model_cfg)          # a torchrun rank > 0 serves rank 0's engine, then its job ends
             raise SystemExit(0)
+        tracer = trace.start(cfg.trace_dir) if cfg.trace_dir else None     # the load is traced too
         # tensor parallelism: ranks 1.. start (and load their shares) while this process loads its own
-        workers = WorkerPool(cfg, model_cfg) if cfg.tensor_parallel_size > 1 else None
+        workers = None
         try:
-            runner = ModelRunner(cfg, model_cfg, show_progress=show_progress, workers=workers)
+            workers = WorkerPool(cfg, model_cfg) if cfg.tensor_parallel_size > 1 else None
+            with trace.span("load model"):
+                runner = ModelRunner(cfg, model_cfg, show_progress=show_progress, workers=workers)
             speculator, draft_runner = build_speculator(cfg, model_cfg, runner, show_progress)
             # a draft model's pool holds as many pages as the target's: the budget pays for both
             cfg.num_pages = runner.pages_fitting(draft_runner.kv_bytes_per_page() if draft_runner else 0)
@@ -75,10 +80,12 @@ class LLM:
                 raise ValueError(f"{name}: too small to hold a single KV page")
             verify = (cfg.speculation.num_speculative_tokens + 1, min(cfg.max_num_seqs, speculator.cutoff)) \
                 if speculator is not None else ()
-            runner.start(cfg.num_pages, not cfg.enforce_eager, *verify)   # verify steps replay graphs of their own
+            with trace.span("start: KV pool, CUDA graphs"):
+                runner.start(cfg.num_pages, not cfg.enforce_eager, *verify)   # verify steps replay graphs of their own
             if draft_runner is not None:
                 speculator.proposer.allocate(cfg.num_pages, use_graphs=not cfg.enforce_eager)
         except BaseException:
+            trace.stop(tracer)
             if workers is not None:
                 workers.close()
             raise
@@ -86,7 +93,7 @@ class LLM:
         # collected, or at exit; the finaliser holds the runners, not the LLM
         self._workers, engines = workers, []
         self._close = weakref.finalize(self, release_devices, workers, [r for r in (runner, draft_runner) if r],
-                                       engines)
+                                       engines, tracer)
         self.engine = Engine(cfg, model_cfg, runner, load_tokenizer(cfg.model), speculator)
         engines.append(self.engine)     # the engine holds no reference back to the LLM: no cycle
         self.tokenizer, self.show_progress = self.engine.tokenizer, show_progress   # use_tqdm's default

@@ -12,6 +12,7 @@ error shape and a 400, not FastAPI's 422; a Content-Type other than JSON gets a 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -32,6 +33,7 @@ from ridge.server.protocol import ModelCard, ModelList
 from ridge.server.request_models import RequestLimits, RequestModels, request_models
 from ridge.server.serving_chat import ChatServing
 from ridge.server.serving_completions import CompletionServing
+from ridge.utils import trace
 
 log = logging.getLogger("ridge.server")
 _PARSE_ON_LOOP_BYTES = 64 << 10
@@ -57,7 +59,9 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client.start()
+        watch = asyncio.create_task(trace.watch_event_loop())     # idle unless --trace-dir
         yield
+        watch.cancel()
         client.stop()
 
     # /docs from fastapi-offline's packaged Swagger UI, not FastAPI's CDN links (blank offline), and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -59,6 +60,12 @@ class _EngineCollector:
                                   value=st.num_overlapped_steps)
         yield GaugeMetricFamily("ridge_decode_overlap_ratio", "overlapped / decode steps since start (0 before any)",
                                 value=st.overlap_fraction or 0.0)
+        if torch.cuda.is_initialized():         # this process's device: rank 0's under tensor parallelism
+            yield GaugeMetricFamily("ridge_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated: tensors alive",
+                                    value=torch.cuda.memory_allocated())
+            yield GaugeMetricFamily("ridge_gpu_memory_reserved_bytes",
+                                    "torch.cuda.memory_reserved: held by the caching allocator",
+                                    value=torch.cuda.memory_reserved())
         # speculative decoding, vLLM's names (vllm:spec_decode_*) under the proposer's method; none
         # without a speculative_config
         if not st.spec_method:

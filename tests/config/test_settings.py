@@ -55,6 +55,7 @@ BAD = [
     ("distributed_timeout_seconds", 0), ("distributed_timeout_seconds", math.inf),
     ("distributed_executor_backend", "ray"), ("distributed_executor_backend", None),
     ("num_cpu_threads", 0), ("num_cpu_threads", True), ("num_cpu_threads", 1.5),
+    ("trace_dir", ""), ("trace_dir", 5), ("trace_dir", __file__),
 ]
 
 
