@@ -10,7 +10,6 @@ import sys
 import time
 
 import httpx
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from ridge import LLM, SamplingParams
@@ -32,7 +31,8 @@ class Served:
     def engine(self):
         return self.app.state.engine_client._llm.engine
 
-    def client(self, **kw) -> openai.OpenAI:
+    def client(self, **kw):
+        import openai           # here: the GPU machines have no openai package, and need none for the soak
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60, **kw)
 
     def post(self, path: str, body=None, content=None, headers=None, **kw) -> httpx.Response:
@@ -60,7 +60,7 @@ class ServeProcess:
         head = ["-c", script] if script is not None else ["-m", "ridge"]
         cmd = [sys.executable, *head, "serve", "--device", device, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd(), **(env or {})))
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])), **(env or {})))
         self.url = None
 
     def log(self) -> str:
