@@ -1,11 +1,10 @@
-"""Engine configuration: `EngineConfig` is the one list of engine settings, `SpeculativeConfig` the
-parsed `speculative_config`. The model's own configuration (`ModelConfig`, read from config.json)
-is ridge/model_config.py's, re-exported here.
+"""Engine configuration: `EngineConfig` is the one list of engine settings; the settings given as
+JSON objects are parsed by ridge/json_settings.py (`SpeculativeConfig`, `KVEventsConfig`, re-exported
+here). The model's own configuration (`ModelConfig`, read from config.json) is
+ridge/model_config.py's, re-exported here.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import dataclasses
 from dataclasses import dataclass, field
@@ -13,102 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ridge import settings
+from ridge.json_settings import KVEventsConfig, SpeculativeConfig, json_object
 from ridge.model_config import ModelConfig, parse_dtype
 from ridge.parallel import launched
 from ridge.settings import setting
-
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-METHOD_ALIASES = {"deepseek_mtp": "mtp"}       # vLLM's older name
-MODEL_METHODS = ("draft_model", "eagle3")      # the methods that load a draft checkpoint
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`speculative_config`, with vLLM's keys: method "ngram" (prompt lookup, no model), "suffix"
-    (suffix decoding over the sequence and earlier outputs, no model), "draft_model" (`model`: a
-    checkpoint with the target's vocabulary), "eagle3" (`model`: an EAGLE-3 head trained on the
-    target's hidden states; ridge/engine/spec/eagle.py) or "mtp" (alias "deepseek_mtp": the target's
-    own multi-token-prediction layer, DeepSeek-V3's; no model); `num_speculative_tokens` (k, the most drafts a step);
-    prompt_lookup_min/max (the n-gram lengths tried, longest first); suffix_decoding_* (the longest
-    match considered, drafts per matched token, the least path frequency a draft continues at, the
-    finished outputs kept; ridge/engine/spec/suffix.py);
-    `disable_by_batch_size`: no speculation in a step with more running sequences than this
-    (default: where the verify pass stops being memory-bound, from the measured ceilings and the
-    model's cost; ridge/engine/spec/speculator.py)."""
-    method: str
-    num_speculative_tokens: int
-    model: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-    suffix_decoding_max_cached_requests: int = 10000
-    disable_by_batch_size: int | None = None
-
-    @classmethod
-    def parse(cls, value) -> "SpeculativeConfig":
-        """From the setting's dict (a JSON object on the command line); ValueError naming the key."""
-        if isinstance(value, str):
-            value = _json_object(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"must be a JSON object like {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
-                             f"got {type(value).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in value:
-            if key not in known:
-                raise ValueError(f"unknown key {key!r} (known: {', '.join(known)})")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in value:
-                raise ValueError(f"{key!r} is required")
-        if value["method"] in METHOD_ALIASES:
-            value = {**value, "method": METHOD_ALIASES[value["method"]]}
-        if value["method"] not in SPECULATIVE_METHODS:
-            raise ValueError(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {value['method']!r}")
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
-            v = value.get(key, 1)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{key} must be an integer >= 1, got {v!r}")
-        _check_suffix_keys(value)
-        spec = cls(**value)
-        if spec.prompt_lookup_max < spec.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({spec.prompt_lookup_max}) must be >= prompt_lookup_min "
-                             f"({spec.prompt_lookup_min})")
-        if (spec.method in MODEL_METHODS) != (spec.model is not None) or not isinstance(spec.model, (str, type(None))):
-            raise ValueError(f"model: methods 'draft_model' and 'eagle3' need the draft checkpoint's directory (a path), "
-                             f"and only they take one; got {spec.model!r} for {spec.method!r}")
-        return spec
-
-
-def _check_suffix_keys(value: dict) -> None:
-    """The suffix_decoding_* keys: only with method "suffix", each in its range (ValueError naming it)."""
-    keys = [k for k in value if k.startswith("suffix_decoding_")]
-    if keys and value["method"] != "suffix":
-        raise ValueError(f"{', '.join(keys)}: only method 'suffix' takes suffix_decoding_* keys, got {value['method']!r}")
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-    for key, ok, what in (
-            ("suffix_decoding_max_tree_depth", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-             "an integer >= 1"),
-            ("suffix_decoding_max_spec_factor", lambda v: number(v) and v > 0, "a number > 0"),
-            ("suffix_decoding_min_token_prob", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-            ("suffix_decoding_max_cached_requests", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-             "an integer >= 0 (0: no cache of earlier outputs)")):
-        if key in value and not ok(value[key]):
-            raise ValueError(f"{key} must be {what}, got {value[key]!r}")
-
-
-class _BadJson(argparse.ArgumentTypeError, ValueError):
-    """A ValueError that argparse prints as it is (not as 'invalid _json_object value')."""
-
-
-def _json_object(text: str):
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise _BadJson(f"not valid JSON ({e}): {text!r}") from None
-
 
 def _device_check(value) -> str | None:
     if isinstance(value, torch.device):
@@ -198,7 +105,7 @@ class EngineConfig:
         False, help="with --kv-cache-dtype fp8: rotate q and k by a random-sign Hadamard matrix before k is "
                     "quantized (incoherent processing: spreads outlier channels; scores are unchanged)")
     speculative_config: dict | None = setting(
-        None, parse=_json_object,
+        None, parse=json_object,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", '
              '"num_speculative_tokens": k, "model": DRAFT_PATH, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
              '"suffix_decoding_max_tree_depth": 24, '
@@ -227,9 +134,15 @@ class EngineConfig:
                    "steps and their phases, garbage collections, Triton compiles and autotuning, a late event loop, "
                    "and each stall (a request's gap between two tokens over 10x the median); `ridge trace FILE` "
                    "names what overlapped each stall", default_text="off")
+    kv_events_config: dict | None = setting(
+        None, parse=json_object,
+        help='publish the prefix cache\'s page events (stored, removed, all cleared) for a KV-aware router, vLLM\'s JSON '
+             'and format: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+             '"topic": "", "hwm": 100000}', default_text="off")
     num_pages: int = field(default=0, init=False, repr=False)     # the KV pool, sized by LLM after loading
     # speculative_config parsed, once, at construction: what everything below reads
     speculation: SpeculativeConfig | None = field(default=None, init=False, repr=False, compare=False)
+    kv_events: KVEventsConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         kv = self.kv_cache_memory
@@ -241,6 +154,11 @@ class EngineConfig:
                 self.speculation = SpeculativeConfig.parse(self.speculative_config)
             except ValueError as e:
                 raise ValueError(f"speculative_config: {e}") from None
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events = KVEventsConfig.parse(self.kv_events_config)
+            except ValueError as e:
+                raise ValueError(f"kv_events_config: {e}") from None
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization: give it or kv_cache_memory, not both "
                              f"(got {self.gpu_memory_utilization} and {self.kv_cache_memory} bytes)")
@@ -289,6 +207,11 @@ class EngineConfig:
                 model_cfg.mtp_head()
             except ValueError as e:
                 raise ValueError(f"speculative_config: {e}") from None
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events = KVEventsConfig.parse(self.kv_events_config)
+            except ValueError as e:
+                raise ValueError(f"kv_events_config: {e}") from None
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model_cfg, dev)
         return dataclasses.replace(self, model=path, device=dev, dtype=resolve_dtype(self.dtype, model_cfg, dev),
@@ -306,6 +229,11 @@ class EngineConfig:
                 draft.eagle.check_target(draft, target)
             except ValueError as e:
                 raise ValueError(f"speculative_config: {e}") from None
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events = KVEventsConfig.parse(self.kv_events_config)
+            except ValueError as e:
+                raise ValueError(f"kv_events_config: {e}") from None
         elif draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) must be "
                              f"the target's ({target.vocab_size})")

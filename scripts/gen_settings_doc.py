@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ridge import settings  # noqa: E402
-from ridge.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from ridge.config import EngineConfig, KVEventsConfig, SpeculativeConfig  # noqa: E402
 from ridge.server.config import ServerConfig  # noqa: E402
 
 PAGE = ROOT / "docs" / "settings.md"
@@ -73,9 +73,9 @@ def settings_table(cls) -> str:
     return "\n".join(rows)
 
 
-def speculative_table() -> str:
+def keys_table(cls) -> str:
     rows = ["| key | default |", "|---|---|"]
-    for f in dataclasses.fields(SpeculativeConfig):
+    for f in dataclasses.fields(cls):
         default = "required" if f.default is dataclasses.MISSING else f"`{f.default}`"
         rows.append(f"| `{f.name}` | {default} |")
     return "\n".join(rows)
@@ -95,7 +95,10 @@ def page() -> str:
         settings_table(ServerConfig), "",
         "## `speculative_config` keys (`ridge.config.SpeculativeConfig`)", "",
         _doc(SpeculativeConfig), "",
-        speculative_table(), "",
+        keys_table(SpeculativeConfig), "",
+        "## `kv_events_config` keys (`ridge.config.KVEventsConfig`)", "",
+        _doc(KVEventsConfig), "",
+        keys_table(KVEventsConfig), "",
     ])
 
 

@@ -18,6 +18,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.engine.commit import Committer
 from ridge.engine.faults import StepFault, check_finite, end_touched, readback_ids
 from ridge.engine.intake import Intake
+from ridge.engine.kv_events import KVEventPublisher
 from ridge.engine.overlap import DecodeOverlap
 from ridge.engine.pages import PageAllocator
 from ridge.engine.request import Request, RequestOutput, acceptance_rate, mean_accepted_length
@@ -61,7 +62,11 @@ class Engine:
         self.cfg, self.model_cfg, self.runner, self.tokenizer = cfg, model_cfg, runner, tokenizer
         self.speculator = speculator                # ridge/engine/spec/speculator.py, or None
         self.eos_ids = list(model_cfg.eos_token_ids)
-        self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        publish = cfg.kv_events is not None and cfg.kv_events.enable_kv_cache_events
+        self.pages = PageAllocator(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching, events=publish)
+        # the prefix cache's page events for a KV-aware router (ridge/engine/kv_events.py)
+        self.kv_events = KVEventPublisher(cfg.kv_events, cfg.page_size, "GPU" if runner.device.type == "cuda"
+                                          else "CPU") if publish else None
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.intake = Intake(cfg, model_cfg, tokenizer, self.pages.pages_for)
         self.committer = Committer(cfg.max_model_len, self.eos_ids, tokenizer, self.scheduler)
@@ -93,6 +98,8 @@ class Engine:
         """Drop what the engine itself keeps on the device (LLM.close; the runners drop the rest):
         an overlapped step's ids, and the speculator with its proposer's per-sequence states."""
         self.overlap.inflight, self.speculator = None, None
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.overlap.inflight is not None
@@ -124,6 +131,9 @@ class Engine:
             raise                   # a tensor-parallel rank is gone: the pool's own failure, said as such
         except Exception as e:      # noqa: BLE001 - the step's requests fail, not the engine
             raise end_touched(self, e) from e
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish(self.pages.take_events())
 
     def _step(self, turn: SpecStep | None, finished_only: bool) -> list[RequestOutput]:
         with trace.span("schedule") as span:

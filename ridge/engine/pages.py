@@ -6,7 +6,9 @@ reference counted:
   - forked samples (n > 1) share the prompt's pages; a shared page about to be written is copied
     first (copy-on-write), the copy queued for the runner to perform on the device.
 A page whose count drops to zero goes to the back of the free queue but keeps its hash, so it can
-still be hit until it is reused (least recently freed is reused first)."""
+still be hit until it is reused (least recently freed is reused first). With `events` on, a page
+named in the prefix cache and a cached page reused are recorded for take_events (the KV events a
+router reads, ridge/engine/kv_events.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +23,7 @@ def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool, events: bool = False):
         self.num_pages, self.page_size, self.enable_prefix_caching = num_pages, page_size, enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
@@ -32,6 +34,7 @@ class PageAllocator:
         # it: only a hit that the next page also matched can be trusted, so the last hit is dropped
         # and recomputed (the target's states for it then reach the head); set by the proposer
         self.recompute_last_hit = False
+        self.events: list[tuple] | None = [] if events else None
 
     num_free_pages = property(lambda self: len(self.free_queue))
 
@@ -64,6 +67,8 @@ class PageAllocator:
             if self.enable_prefix_caching and h not in self.cached and self.page_hash[page] is None:
                 self.cached[h] = page
                 self.page_hash[page] = h
+                if self.events is not None:
+                    self.events.append(("stored", h, parent, seq.token_ids[i * self.page_size:(i + 1) * self.page_size]))
 
     def pages_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Fresh pages to hold `num_new_tokens` more tokens: new pages, copies of shared pages
@@ -138,6 +143,10 @@ class PageAllocator:
             self._unref(b)
         del seq.page_table[keep:]
 
+    def take_events(self) -> list[tuple]:
+        events, self.events = self.events, []
+        return events
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -147,6 +156,8 @@ class PageAllocator:
         h = self.page_hash[page]
         if h is not None and self.cached.get(h) == page:    # evict from the prefix cache
             del self.cached[h]
+            if self.events is not None:
+                self.events.append(("removed", h))
         self.page_hash[page], self.ref_counts[page] = None, 1
         return page
 

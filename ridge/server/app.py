@@ -44,7 +44,7 @@ def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastA
     """`engine_factory` builds the LLM; it runs in the engine thread, so the server answers
     (/health: 503) while the model loads."""
     client = EngineClient(engine_factory, tokenizer_workers=cfg.tokenizer_pool_size)
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.ready)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.ready, lambda: cfg.model_name)
     completion, chat = CompletionServing(client, metrics, cfg), ChatServing(client, metrics, cfg)
 
     def served_models() -> RequestModels:

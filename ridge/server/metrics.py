@@ -27,9 +27,20 @@ _ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 _E2E = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+# The gauges a gateway's endpoint picker reads, under vLLM's names (the Kubernetes Gateway API
+# Inference Extension's model-server protocol: queue length and KV-cache utilisation), labelled with
+# the served model's name as vLLM labels them; beside ridge's own names, which say the same.
+GATEWAY_GAUGES = (("vllm:num_requests_waiting", "requests waiting (the gateway's TotalQueuedRequests)", "num_waiting"),
+                  ("vllm:num_requests_running", "requests running (the gateway's TotalRunningRequests)", "num_running"),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (the gateway's KVCacheUtilization)",
+                   "kv_cache_usage"),
+                  ("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's earlier name)", "kv_cache_usage"))
+
+
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats | None], healthy: Callable[[], bool]):
-        self._stats, self._healthy = stats, healthy
+    def __init__(self, stats: Callable[[], EngineStats | None], healthy: Callable[[], bool],
+                 model_name: Callable[[], str]):
+        self._stats, self._healthy, self._model_name = stats, healthy, model_name
 
     def collect(self):
         yield GaugeMetricFamily("ridge_engine_healthy", "1 when the engine is ready to serve, else 0",
@@ -37,6 +48,10 @@ class _EngineCollector:
         st = self._stats()
         if st is None:
             return
+        for name, text, field in GATEWAY_GAUGES:
+            family = GaugeMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([self._model_name()], getattr(st, field))
+            yield family
         yield GaugeMetricFamily("ridge_num_requests_running",
                                 "sequences in the running batch (a request with n samples counts n)",
                                 value=st.num_running)
@@ -87,9 +102,10 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats | None], healthy: Callable[[], bool]):
+    def __init__(self, stats: Callable[[], EngineStats | None], healthy: Callable[[], bool],
+                 model_name: Callable[[], str] = lambda: ""):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, healthy))
+        self.registry.register(_EngineCollector(stats, healthy, model_name))
         r = self.registry
         self.ttft = Histogram("ridge_time_to_first_token_seconds", "time to first token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("ridge_inter_token_latency_seconds", "time between two steps that gave a request tokens",

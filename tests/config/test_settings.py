@@ -56,6 +56,9 @@ BAD = [
     ("distributed_executor_backend", "ray"), ("distributed_executor_backend", None),
     ("num_cpu_threads", 0), ("num_cpu_threads", True), ("num_cpu_threads", 1.5),
     ("trace_dir", ""), ("trace_dir", 5), ("trace_dir", __file__),
+    ("kv_events_config", 5), ("kv_events_config", {"replay_endpoint": "tcp://*:5558"}),
+    ("kv_events_config", {"publisher": "nats"}), ("kv_events_config", {"hwm": 0}),
+    ("kv_events_config", {"endpoint": "5557"}), ("kv_events_config", {"enable_kv_cache_events": "yes"}),
 ]
 
 
@@ -228,14 +231,16 @@ def test_describe_lists_every_setting():
 def test_config_modules_import_nothing_above_them():
     import ast
     import ridge.config
+    import ridge.json_settings
     import ridge.model_config
     import ridge.settings
-    for mod in (ridge.config, ridge.model_config, ridge.settings):
+    for mod in (ridge.config, ridge.json_settings, ridge.model_config, ridge.settings):
         tree = ast.parse(open(mod.__file__).read())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
                    {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         # ridge.assets (the bundled demo model's path) and ridge.parallel (torchrun's environment)
         # sit beside them, below everything else
         assert {m for m in imported if m.startswith("ridge")} <= {"ridge", "ridge.settings", "ridge.assets",
-                                                                  "ridge.model_config", "ridge.parallel"}
+                                                                  "ridge.model_config", "ridge.parallel",
+                                                                  "ridge.json_settings"}
     assert dataclasses.is_dataclass(EngineConfig)

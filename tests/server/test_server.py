@@ -3,12 +3,14 @@ driven by the official openai client (and raw httpx where a client would refuse 
 input and robustness: tests/server/test_server_errors.py."""
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
 from ridge import LLM, SamplingParams
 from ridge.server.text_stream import TextDelta
-from tests.server_support import MAX_LEN, MODEL, metric
+from tests.server_support import MAX_LEN, MODEL, metric, slow_steps
 
 
 # -- 1. the API, through the openai client -----------------------------------------------------------
@@ -200,6 +202,31 @@ def test_metrics_move(server):
                  "ridge_decode_overlap_ratio"):
         assert (name, ()) in after, name
 
+
+
+def test_gateway_reads_the_queue_and_kv_gauges_under_vllms_names(server):
+    """The inference gateway's endpoint picker scrapes vLLM's names, labelled with the model: they
+    carry what ridge's own gauges carry, while a request runs too."""
+    started, done = threading.Event(), threading.Event()
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": "Bearer test-key"},
+                          json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True,
+                                "stream": True}, timeout=60) as r:
+            for _ in r.iter_lines():
+                started.set()
+        done.set()
+
+    with slow_steps(server, 0.05):
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(30)
+        m = server.metrics()
+    assert done.wait(60)
+    label = (("model_name", MODEL),)
+    assert m[("vllm:num_requests_running", label)] == metric(m, "ridge_num_requests_running") == 1
+    assert m[("vllm:num_requests_waiting", label)] == metric(m, "ridge_num_requests_waiting") == 0
+    usage = metric(m, "ridge_kv_cache_usage_ratio")
+    assert 0 < usage == m[("vllm:kv_cache_usage_perc", label)] == m[("vllm:gpu_cache_usage_perc", label)]
 
 
 def test_text_delta_holds_back_stop_prefixes():
