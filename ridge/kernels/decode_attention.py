@@ -269,6 +269,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     return max(1, min(splits, _MAX_SPLITS, max_seq_len // _MIN_KEYS_PER_SPLIT))
 
 
+def query_rows(queries: int, group: int) -> tuple[int, int]:
+    """(QUERIES, BLOCK_H) of a launch for up to `queries` queries a sequence: the packed-row tile
+    holds queries x group rows, rounded up to a power of two (16 at least), and QUERIES, the most
+    queries a sequence the kernel takes, is all that tile holds (up to MAX_QUERIES): each sequence's
+    own count masks its rows, so batches of 2 to 8 queries a sequence share a tile's compiled
+    variant and tuning key instead of one each."""
+    block_h = max(16, triton.next_power_of_2(queries * group))
+    return (1 if queries == 1 else min(MAX_QUERIES, block_h // group)), block_h
+
+
+def launch_key(batch: int, num_kv_heads: int, group: int, seq_span: int, queries: int, device: torch.device,
+               num_splits: int | None = None) -> tuple[int, int, int, int, int]:
+    """(splits, QUERIES, BLOCK_H, work bucket, grid bucket) of a call: with one split or more
+    (DIRECT), what the autotuner keys on besides the model's fixed shape (ridge/kernels/decode_tuning.py)."""
+    splits = num_splits or choose_num_splits(batch, num_kv_heads, seq_span, device)
+    return (splits, *query_rows(queries, group),
+            *_tuning_buckets(triton.cdiv(seq_span, splits), batch * num_kv_heads * splits, device))
+
+
 def _tuning_buckets(keys_per_program: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(keys each program streams: <=256, <=1k, <=4k, more) x (programs: < SMs, < 4x SMs, more)."""
     work = min(3, max(0, (max(keys_per_program, 1) - 1).bit_length() - 8 + 1) // 2)
@@ -309,8 +328,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.shape[0] == 0 or batch == 0:
         return out
     seq_span = min(meta.max_seq_len, sliding_window) if sliding_window else meta.max_seq_len
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, seq_span, q.device)
+    num_splits, query_key, block_h, work, grid = launch_key(batch, num_kv_heads, group, seq_span, queries, q.device,
+                                                            num_splits)
     n_part = q.shape[0] * num_heads * num_splits
     if num_splits == 1:
         o_part = lse = out  # unused placeholders
@@ -324,13 +343,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # placeholders, never read
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, ks, vs, out, o_part, lse, bt, meta.query_start_loc, meta.seq_lens,
-        scale * _LOG2E, sliding_window or 0, num_splits,
-        *_tuning_buckets(triton.cdiv(seq_span, num_splits), batch * num_kv_heads * num_splits, q.device),
+        scale * _LOG2E, sliding_window or 0, num_splits, work, grid,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         *ks.stride()[:3], *vs.stride()[:3],
-        GROUP=group, QUERIES=queries, BLOCK_H=max(16, triton.next_power_of_2(queries * group)), HEAD_DIM=head_dim,
+        GROUP=group, QUERIES=query_key, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE=page,
         SLIDING=sliding_window is not None, DIRECT=num_splits == 1, FP8=scales is not None,
         ASM=not _INTERPRET and q.dtype != torch.float32,

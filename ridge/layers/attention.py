@@ -7,6 +7,8 @@ kernel per layer: one launch and one inter-kernel gap fewer per layer in a decod
 from __future__ import annotations
 
 import abc
+import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -16,6 +18,7 @@ from torch import nn
 from ridge.kernels.attention_meta import AttentionMetadata, KVCacheSpec, KVPages
 from ridge.kernels.attention_ref import paged_attention_ref
 from ridge.kernels.attention_triton import triton_paged_attention
+from ridge.kernels.decode_tuning import tune_decode_attention
 from ridge.kernels.kv_fp8 import FP8 as KV_FP8, SCALE_DTYPE as KV_SCALE_DTYPE
 from ridge.kernels.rotary import rope_write_kv, rope_write_kv_ref
 from ridge.layers.rotary import RotaryEmbedding
@@ -97,6 +100,25 @@ def attention_pairs(query_len: int, context_len: int, window: int | None = None)
 def attention_keys_read(query_len: int, context_len: int, window: int | None = None) -> int:
     """Distinct cached keys a sequence's rows read (the union of their windows)."""
     return context_len if window is None else min(context_len, query_len + window - 1)
+
+
+log = logging.getLogger("ridge")
+
+
+def tune_decode_kernels(model: nn.Module, kv_cache: KVPages, max_batch: int, max_span: int, dtype: torch.dtype) -> int:
+    """Before the first request: the split-KV decode kernel tuned for every key an eager step of up
+    to max_batch sequences and max_span tokens can meet (ridge/kernels/decode_tuning.py), once for
+    each distinct attention shape of the model (heads, window), on one layer's pages; the Triton
+    backend only; `dtype`: the activations'. Returns the keys tuned."""
+    shapes = {(m.num_heads, m.sliding_window, m.scale): m for m in model.modules()
+              if isinstance(m, Attention) and m.backend.name == "triton"}
+    if not shapes or not isinstance(kv_cache, KVPages):
+        return 0
+    t0 = time.perf_counter()
+    n = sum(tune_decode_attention(h, kv_cache.k, kv_cache.v, scale, window, max_batch, max_span, dtype, kv_cache.scales)
+            for h, window, scale in shapes)
+    log.info("decode attention tuned for %d keys of eager steps in %.1f s", n, time.perf_counter() - t0)
+    return n
 
 
 class PagedAttention(nn.Module, abc.ABC):

@@ -23,7 +23,7 @@ from ridge.kernels.kv_fp8 import FP8 as KV_FP8, hadamard_signs
 from ridge.runner.cuda_graphs import DecodeGraphs, DecodeInputs
 from ridge.runner.sampling_inputs import sampling_batch
 from ridge.runner.step_message import DECODE, EAGER, VERIFY, StepPlan
-from ridge.layers.attention import kv_cache_spec_of, select_backend
+from ridge.layers.attention import kv_cache_spec_of, select_backend, tune_decode_kernels
 from ridge.layers.sampler import SamplingBatch, info_on_host, logprob_info, sample
 from ridge.models.loader import load_model
 from ridge.parallel import SINGLE, TensorParallel
@@ -157,6 +157,9 @@ class ModelRunner:
         self.allocate_kv_cache(num_pages)
         self.warm_up_prefill()
         self.setup_decode(use_graphs, verify_queries, verify_max_bs)
+        if self.device.type == "cuda":      # eager steps' kernel keys, tuned now rather than mid-serve
+            tune_decode_kernels(self.model, self.layer_caches[0], self.cfg.max_num_seqs, self.cfg.max_model_len,
+                                self.cfg.dtype)
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs before leaving a tensor-parallel group (DecodeGraphs.release)."""
