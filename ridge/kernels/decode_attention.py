@@ -76,6 +76,13 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if fp8 or c.kwargs["BLOCK_N"] < 128]
 
 
+def _bench_briefly(fn, quantiles):
+    """A config's time for the autotuner: a call streams for tens to hundreds of microseconds, so
+    20 ms of repetitions (after 5 of warm-up) give its median from a hundred runs or more; Triton's
+    default 25 + 100 ms a config made tuning every key at start-up cost most of a minute."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
 @triton.jit
 def _e4m3_rows(x, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """An e4m3 tile -> DTYPE (exact), converted in the register layout it was loaded in.
@@ -122,7 +129,7 @@ def _tile_scales(K_scale, V_scale, bt_row, k_idx, end, stride_ksb, stride_kst, s
 # the compiles that decode-graph capture pays. The picks are kept in Triton's cache beside the
 # compiled kernels (cache_results), so a warm start replays them instead of timing every config.
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "QUERIES", "PAGE", "DIRECT", "FP8", "work_bucket", "grid_bucket"],
-                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True, do_bench=_bench_briefly)
 @triton.jit(do_not_specialize=["work_bucket", "grid_bucket"])
 def _decode_split_kernel(Q, K, V, K_scale, V_scale, Out, O_part, Lse, page_tables, query_start_loc,
                          seq_lens, qk_scale, window, num_splits, work_bucket, grid_bucket,
