@@ -13,7 +13,9 @@ requests in flight near --target-ongoing-requests.
 from __future__ import annotations
 
 import argparse
+import signal
 
+import ray
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
@@ -111,13 +113,23 @@ def build_app(args: dict) -> serve.Application:
 
 
 def cmd_serve_ray(a: argparse.Namespace) -> int:
-    """`ridge serve --ray`: start (or join) Ray, run the application, serve until Ctrl-C."""
+    """`ridge serve --ray`: start (or join) Ray, run the application, serve until Ctrl-C or SIGTERM."""
     from ridge.server.cli import serve_configs
 
     engine, server = serve_configs(a)
     serve.start(http_options=dict(host=server.host, port=server.port))
+    # SIGTERM (docker stop, a supervisor) ends it as Ctrl-C does, the deployments shut down first;
+    # set once Ray has started, whose own handler would abort the process
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.run(application(engine, server), name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
     finally:
         serve.shutdown()
+        ray.shutdown()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
