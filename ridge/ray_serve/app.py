@@ -84,8 +84,9 @@ def application(engine: EngineConfig, server: ServerConfig) -> serve.Application
                                ray_actor_options=dict(num_gpus=_gpus_per_replica(engine)),
                                max_ongoing_requests=server.max_ongoing_requests,
                                request_router_config=router, **scaling)
+    most = server.max_replicas or server.num_replicas
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress",
-                               max_ongoing_requests=server.max_ongoing_requests * server.num_replicas)
+                               max_ongoing_requests=server.max_ongoing_requests * most)
     return ingress.bind(replica.bind(engine.as_kwargs(), server.tokenizer_pool_size), server)
 
 

@@ -65,4 +65,5 @@ class EngineReplica:
         self.client.check_ready()
 
     def __del__(self):
-        self.client.stop()
+        if hasattr(self, "client"):     # not when the constructor failed
+            self.client.stop()

@@ -147,10 +147,11 @@ class ReplicaClient:
                 raise
             except Exception as e:      # noqa: BLE001 - the replica died or could not be reached
                 why = type(e).__name__
-            log.warning("request %s: its replica failed (%s)%s", request_id, why,
-                        "" if started else f"; sending it again (attempt {attempt + 2} of {ATTEMPTS})")
-            if started:
+            if started or attempt + 1 == ATTEMPTS:
+                log.warning("request %s: its replica failed (%s)", request_id, why)
                 break
+            log.warning("request %s: its replica failed (%s) before any output; sending it again (attempt %d of %d)",
+                        request_id, why, attempt + 2, ATTEMPTS)
             await asyncio.sleep(RETRY_WAIT)
         message = f"the engine replica serving this request failed ({why})"
         if not accepted.done():
