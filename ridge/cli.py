@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if serve_rank_0(a):
             return 0
+        if getattr(a, "ray", False):    # Ray is imported only here, when asked for
+            from ridge.ray_serve.app import cmd_serve_ray
+            return cmd_serve_ray(a)
         return a.func(a)
     except ValueError as e:
         print(f"ridge: error: {e}", file=sys.stderr)

@@ -43,6 +43,8 @@ class EngineStats:
     generation_tokens: int         # tokens sampled
     num_decode_steps: int          # steps served by the static decode path (CUDA graphs where captured)
     num_overlapped_steps: int      # of which launched before the previous step's ids were read back
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission,
+    prefix_cache_hits: int = 0     # and of those found cached (not computed)
     spec_num_drafts: int = 0       # speculative decoding: a sequence's verify steps with drafts,
     spec_num_draft_tokens: int = 0  # the draft tokens proposed,
     spec_num_accepted_tokens: int = 0  # and of those accepted,
@@ -110,6 +112,7 @@ class Engine:
                            p.num_free_pages, 1.0 - p.num_free_pages / p.num_pages, self.scheduler.num_preemptions,
                            self.prompt_tokens_computed, self.committer.generation_tokens,
                            self.num_decode_steps, self.overlap.num_overlapped_steps,
+                           p.prefix_query_tokens, p.prefix_hit_tokens,
                            *(self.speculator.counters.totals() if self.speculator is not None else ()))
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

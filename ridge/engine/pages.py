@@ -35,6 +35,9 @@ class PageAllocator:
         # and recomputed (the target's states for it then reach the head); set by the proposer
         self.recompute_last_hit = False
         self.events: list[tuple] | None = [] if events else None
+        # prompt tokens looked up in the prefix cache at admission, and of those found there (vLLM's
+        # prefix_cache_queries / prefix_cache_hits): what a prefix-aware router is judged by
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
 
     num_free_pages = property(lambda self: len(self.free_queue))
 
@@ -83,8 +86,12 @@ class PageAllocator:
             needed += sum(1 for b in hits if self.ref_counts[b] == 0)
         return needed
 
-    def take_hits(self, seq: Sequence, hits: list[int]) -> None:
+    def take_hits(self, seq: Sequence, hits: list[int], looked_up: bool = True) -> None:
+        """`seq` admitted with `hits` (from match_prefix, when `looked_up`) as its leading pages."""
         assert not seq.page_table
+        if looked_up and self.enable_prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(hits) * self.page_size
         for b in hits:
             self._ref(b)
         seq.page_table, seq.page_hashes = list(hits), [self.page_hash[b] for b in hits]

@@ -112,13 +112,14 @@ class Scheduler:
             if seats(seq) > free:
                 break
             # a request scoring its prompt must compute every prompt token: no cache hits
-            hits = [] if seq.request.params.prompt_logprobs is not None else self.pages.match_prefix(seq)
+            scored = seq.request.params.prompt_logprobs is not None
+            hits = [] if scored else self.pages.match_prefix(seq)
             computed = len(hits) * self.pages.page_size
             n = min(seq.num_tokens - computed, budget)
             if self.pages.pages_needed(seq, n, hits) > self.pages.num_free_pages:
                 break
             self.waiting.popleft()
-            self.pages.take_hits(seq, hits)
+            self.pages.take_hits(seq, hits, looked_up=not scored)
             self.pages.allocate(seq, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -40,10 +40,12 @@ _PARSE_ON_LOOP_BYTES = 64 << 10
 DOCS_ASSETS = "/docs/assets"
 
 
-def create_app(engine_factory: Callable[[], object], cfg: ServerConfig) -> FastAPI:
+def create_app(engine_factory: Callable[[], object] | None, cfg: ServerConfig, client=None) -> FastAPI:
     """`engine_factory` builds the LLM; it runs in the engine thread, so the server answers
-    (/health: 503) while the model loads."""
-    client = EngineClient(engine_factory, tokenizer_workers=cfg.tokenizer_pool_size)
+    (/health: 503) while the model loads. `client`: a front end of EngineClient's interface to
+    serve instead of an engine in this process (ridge.ray_serve's replicas); then no factory."""
+    if client is None:
+        client = EngineClient(engine_factory, tokenizer_workers=cfg.tokenizer_pool_size)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.ready, lambda: cfg.model_name)
     completion, chat = CompletionServing(client, metrics, cfg), ChatServing(client, metrics, cfg)
 

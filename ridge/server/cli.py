@@ -25,16 +25,22 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def build_app(a: argparse.Namespace):
-    """The app and ServerConfig `ridge serve` runs for these parsed flags; the README's examples
-    are tested through it, so they are checked against the name the command really serves."""
-    from ridge.server.app import create_app
-
+def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's settings `ridge serve` runs for these parsed flags."""
     engine = settings.from_args(EngineConfig, a)
     model = model_dir(engine.model)
     name = os.path.basename(os.path.normpath(model)) if a.model_name is None else a.model_name
     cfg = settings.from_args(ServerConfig, a, model_name=name,
                              api_key=a.api_key if a.api_key is not None else os.environ.get("RIDGE_API_KEY") or None)
+    return engine, cfg
+
+
+def build_app(a: argparse.Namespace):
+    """The app and ServerConfig `ridge serve` runs for these parsed flags; the README's examples
+    are tested through it, so they are checked against the name the command really serves."""
+    from ridge.server.app import create_app
+
+    engine, cfg = serve_configs(a)
     return create_app(functools.partial(load_engine, engine), cfg), cfg
 
 

@@ -66,7 +66,24 @@ class ServerConfig:
                                                 "prompt), qwen3 (reasoning only where the output opens with <think>). "
                                                 "/v1/completions is not split",
                                            default_text="none")
+    ray: bool = setting(False, help="serve on Ray Serve (ridge.ray_serve): replicas of the engine, each with its own "
+                                    "KV cache, behind one OpenAI ingress that routes each request to the replica "
+                                    "holding its prefix (else the least loaded); joins the Ray cluster of RAY_ADDRESS "
+                                    "or starts a local one")
+    num_replicas: int = setting(1, minimum=1, help="--ray: engine replicas (with --max-replicas: the autoscaler's "
+                                                   "minimum)")
+    max_replicas: int | None = setting(None, minimum=1,
+                                       help="--ray: autoscale between --num-replicas and this many replicas on "
+                                            "their queue length (Ray Serve's autoscaling_config)",
+                                       default_text="no autoscaling")
+    target_ongoing_requests: float = setting(16.0, above=0, help="--ray: requests in flight per replica the "
+                                                                 "autoscaler aims for")
+    max_ongoing_requests: int = setting(256, minimum=1, help="--ray: requests one replica holds at once (running "
+                                                             "and waiting in its engine); more wait in the ingress")
     log_level: str = setting("info", choices=("critical", "error", "warning", "info", "debug"), help="log level")
 
     def __post_init__(self):
         settings.validate(self)
+        if self.max_replicas is not None and self.max_replicas < self.num_replicas:
+            raise ValueError(f"max_replicas: must be at least num_replicas ({self.num_replicas}), got "
+                             f"{self.max_replicas}")

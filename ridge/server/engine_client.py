@@ -12,7 +12,6 @@ blocks on the queue, so an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import queue
@@ -28,31 +27,15 @@ from ridge.engine.prompts import TokenizedPrompt
 from ridge.engine.request import RequestOutput
 from ridge.engine.sampling_params import SamplingParams
 from ridge.parallel import RankFailure
+from ridge.server.engine_errors import EngineFailure, EngineUnavailable, ServerShutdown
+from ridge.server.prompt_work import ChatPrompt, encode_in_worker
+
+__all__ = ["ChatPrompt", "EngineClient", "EngineFailure", "EngineItem", "EngineUnavailable", "ModelInfo",
+           "ServerShutdown"]
 
 log = logging.getLogger("ridge.server")
 
 LOADING, READY, DEAD, STOPPED = "loading", "ready", "dead", "stopped"
-
-
-class EngineUnavailable(Exception):
-    """The engine is loading, has died or is shutting down (503)."""
-
-
-class EngineFailure(Exception):
-    """A step failed while this request was in the batch (500); the engine serves on."""
-    status, code = 500, "engine_error"
-
-
-class ServerShutdown(EngineFailure):
-    """The server stopped before this request finished: its drain time ran out (503)."""
-    status, code = 503, "server_shutting_down"
-
-
-@dataclass
-class ChatPrompt:
-    """Messages (and tools) to render with the checkpoint's chat template (in a tokenizer worker)."""
-    messages: list[dict]
-    tools: list[dict] | None = None
 
 
 @dataclass
@@ -176,7 +159,7 @@ class EngineClient:
                   parse_special_tokens: bool = False) -> None:
         self.check_ready()
         if isinstance(prompt, (str, ChatPrompt)) and self._llm.encoder is not None:
-            prompt = await self._encode(prompt, parse_special_tokens)
+            prompt = await encode_in_worker(self._loop, self._pool, self._llm.encoder, prompt, parse_special_tokens)
             self.check_ready()          # the server may have begun to close meanwhile
         elif isinstance(prompt, ChatPrompt):
             raise ValueError("messages: this model has no tokenizer")
@@ -202,23 +185,6 @@ class EngineClient:
     async def run_in_worker(self, fn, *args):
         """`fn(*args)` in a tokenizer worker thread (work that grows with a request's bytes)."""
         return await self._loop.run_in_executor(self._pool, fn, *args)
-
-    async def _encode(self, prompt: str | ChatPrompt, parse_special_tokens: bool) -> TokenizedPrompt:
-        """Tokenize in a worker thread; waiting for a worker is bounded by the connection cap,
-        and a client that leaves while queued takes its work item out of the queue."""
-        encoder = self._llm.encoder
-        if isinstance(prompt, ChatPrompt):
-            work, text = functools.partial(encoder.chat, prompt.messages, prompt.tools), None
-        else:
-            work, text = functools.partial(encoder.encode, prompt, parse_special_tokens), prompt
-        try:
-            ids = await self._loop.run_in_executor(self._pool, work)
-        except (ValueError, asyncio.CancelledError):
-            raise
-        except Exception as e:          # noqa: BLE001 - a tokenizer error fails this request, not the server
-            log.exception("could not tokenize request")
-            raise EngineFailure(f"the request could not be tokenized ({type(e).__name__})") from None
-        return TokenizedPrompt(text, ids)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -377,7 +343,7 @@ class EngineClient:
             self._call_soon(_put_all, batch)
 
     def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
-        self._call_soon(_settle, fut, exc)
+        self._call_soon(settle, fut, exc)
 
     def _call_soon(self, fn, *args) -> None:
         try:
@@ -391,7 +357,7 @@ def _put_all(batch) -> None:
         sink.put_nowait(item)
 
 
-def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+def settle(fut: asyncio.Future, exc: BaseException | None) -> None:
     if fut.done():                      # the handler gave up waiting (client gone)
         return
     if exc is None:

@@ -52,6 +52,16 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, text, labels=["model_name"])
             family.add_metric([self._model_name()], getattr(st, field))
             yield family
+        # prompt tokens looked up in the prefix cache and found there: ridge's names and vLLM's
+        for ridge_name, vllm_name, text, value in (
+                ("ridge_prefix_cache_queries", "vllm:prefix_cache_queries",
+                 "prompt tokens looked up in the prefix cache", st.prefix_cache_queries),
+                ("ridge_prefix_cache_hits", "vllm:prefix_cache_hits",
+                 "prompt tokens found in the prefix cache (not computed)", st.prefix_cache_hits)):
+            yield CounterMetricFamily(ridge_name, text, value=value)
+            family = CounterMetricFamily(vllm_name, text, labels=["model_name"])
+            family.add_metric([self._model_name()], value)
+            yield family
         yield GaugeMetricFamily("ridge_num_requests_running",
                                 "sequences in the running batch (a request with n samples counts n)",
                                 value=st.num_running)

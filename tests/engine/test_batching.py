@@ -69,10 +69,14 @@ def test_prefix_cache_is_hit_and_pages_are_reused(tiny_llm):
     first = tiny_llm.generate([shared + [7, 8, 9]], greedy, use_tqdm=False)[0]
     cached_before = len(bm.cached)
     eng = tiny_llm.engine
+    before = eng.stats()
     eng.add_request(shared + [10, 11], greedy)
     sched = eng.scheduler.schedule()
     assert sched.scheduled[0].start == 64       # four full pages came from the cache
     assert sched.scheduled[0].num_new_tokens == 2
+    after = eng.stats()
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 66
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 64
     for rid in list(eng.requests):
         eng.abort(rid)
     assert len(bm.cached) >= cached_before

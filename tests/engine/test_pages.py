@@ -47,6 +47,21 @@ def test_prefix_hits_leave_one_token_and_survive_free():
     assert bm.match_prefix(c) == pages[:1]      # chained hash: only the common first page
 
 
+def test_prefix_cache_counts_the_tokens_looked_up_and_hit():
+    bm = PageAllocator(8, 4, enable_prefix_caching=True)
+    bm.free(computed_seq(bm, range(12)))
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (0, 0)
+    b = seq(range(12), sid=1)
+    bm.take_hits(b, bm.match_prefix(b))
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (12, 8)
+    c = seq(range(12), sid=2)
+    bm.take_hits(c, [], looked_up=False)        # scored prompts (prompt_logprobs) skip the cache
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (12, 8)
+    off = PageAllocator(8, 4, enable_prefix_caching=False)
+    off.take_hits(seq(range(12)), [])
+    assert (off.prefix_query_tokens, off.prefix_hit_tokens) == (0, 0)
+
+
 def test_fork_and_copy_on_write():
     bm = PageAllocator(8, 4, enable_prefix_caching=False)
     p = seq(range(6))

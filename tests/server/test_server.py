@@ -227,6 +227,9 @@ def test_gateway_reads_the_queue_and_kv_gauges_under_vllms_names(server):
     assert m[("vllm:num_requests_waiting", label)] == metric(m, "ridge_num_requests_waiting") == 0
     usage = metric(m, "ridge_kv_cache_usage_ratio")
     assert 0 < usage == m[("vllm:kv_cache_usage_perc", label)] == m[("vllm:gpu_cache_usage_perc", label)]
+    for name in ("prefix_cache_queries", "prefix_cache_hits"):      # counters: vLLM's and ridge's say the same
+        assert m[(f"vllm:{name}_total", label)] == metric(m, f"ridge_{name}_total")
+    assert metric(m, "ridge_prefix_cache_queries_total") >= 3
 
 
 def test_text_delta_holds_back_stop_prefixes():
