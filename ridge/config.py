@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ridge import settings
-from ridge.json_settings import KVEventsConfig, SpeculativeConfig, json_object
+from ridge.json_settings import MODEL_METHODS, KVEventsConfig, SpeculativeConfig, json_object
 from ridge.model_config import ModelConfig, parse_dtype
 from ridge.parallel import launched
 from ridge.settings import setting
