@@ -22,7 +22,6 @@ import torch
 from ridge.bench.soak import print_soak_bench, run_soak_bench
 from ridge.utils.random_checkpoint import make_random_checkpoint
 from ridge.utils.trace_explain import explain, format_explained, load
-from tests.server_support import ServeProcess
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 
@@ -48,6 +47,7 @@ def check_soak(r: dict) -> None:
 
 @pytest.mark.soak
 def test_ten_minutes_of_mixed_load_leave_the_server_where_it_began(tmp_path):
+    from tests.server_support import ServeProcess        # the server's packages, imported where used
     # a pool the load fills within the capacity measurement: on a CPU its pages are committed as first
     # written, so a pool still being touched would read as RSS growing (the pages, not a leak)
     srv = ServeProcess(["--model", "demo-code-12m", "--speculative-config", SPEC, "--kv-cache-memory", "64MiB"],
@@ -70,6 +70,7 @@ GPU_POOL = "512MiB"
 @pytest.mark.gpu
 @pytest.mark.soak
 def test_gpu_ten_minutes_of_the_8b_shape_leave_the_server_where_it_began(tmp_path):
+    from tests.server_support import ServeProcess        # a GPU run must bring FastAPI and uvicorn
     model = make_random_checkpoint(str(tmp_path / "llama3-8b"), preset="llama3-8b", config_only=True,
                                    dtype=torch.bfloat16)
     traces = tmp_path / "trace"
