@@ -93,7 +93,8 @@ class Tracer:
         self._flushed = time.monotonic()
         self._gc_start: dict[int, float] = {}
         self._last: dict[str, float] = {}           # request id -> when it last got tokens (us)
-        self._gaps: deque = deque(maxlen=2048)
+        self._gaps: deque = deque(maxlen=2048)      # the latest gaps, whose median is the running one
+        self._num_gaps = 0
         self._median: float | None = None
         self.stalls = 0
         self._write({"name": "process_name", "ph": "M", "pid": os.getpid(), "args": {"name": "ridge"}})
@@ -146,7 +147,8 @@ class Tracer:
                 continue
             gap = t - last
             self._gaps.append(gap)
-            if len(self._gaps) >= _MIN_GAPS and (self._median is None or len(self._gaps) % 128 == 0):
+            self._num_gaps += 1     # counted apart: the window's length stops growing once full
+            if self._num_gaps >= _MIN_GAPS and (self._median is None or self._num_gaps % 128 == 0):
                 self._median = statistics.median(self._gaps)
             if self._median is not None and gap > STALL_FACTOR * self._median:
                 self.stalls += 1
