@@ -110,7 +110,7 @@ def tune_decode_kernels(model: nn.Module, kv_cache: KVPages, max_batch: int, max
     to max_batch sequences and max_span tokens can meet (ridge/kernels/decode_tuning.py), once for
     each distinct attention shape of the model (heads, window), on one layer's pages; the Triton
     backend only; `dtype`: the activations'. Returns the keys tuned."""
-    shapes = {(m.num_heads, m.sliding_window, m.scale): m for m in model.modules()
+    shapes = {(m.num_heads, m.sliding_window, m.scale) for m in model.modules()
               if isinstance(m, Attention) and m.backend.name == "triton"}
     if not shapes or not isinstance(kv_cache, KVPages):
         return 0

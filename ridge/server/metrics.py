@@ -42,6 +42,12 @@ class _EngineCollector:
                  model_name: Callable[[], str]):
         self._stats, self._healthy, self._model_name = stats, healthy, model_name
 
+    def _of_model(self, kind, name: str, text: str, value: float):
+        """A vLLM-named family, labelled with the served model's name as vLLM labels its metrics."""
+        family = kind(name, text, labels=["model_name"])
+        family.add_metric([self._model_name()], value)
+        return family
+
     def collect(self):
         yield GaugeMetricFamily("ridge_engine_healthy", "1 when the engine is ready to serve, else 0",
                                 value=1.0 if self._healthy() else 0.0)
@@ -49,9 +55,7 @@ class _EngineCollector:
         if st is None:
             return
         for name, text, field in GATEWAY_GAUGES:
-            family = GaugeMetricFamily(name, text, labels=["model_name"])
-            family.add_metric([self._model_name()], getattr(st, field))
-            yield family
+            yield self._of_model(GaugeMetricFamily, name, text, getattr(st, field))
         # prompt tokens looked up in the prefix cache and found there: ridge's names and vLLM's
         for ridge_name, vllm_name, text, value in (
                 ("ridge_prefix_cache_queries", "vllm:prefix_cache_queries",
@@ -59,9 +63,7 @@ class _EngineCollector:
                 ("ridge_prefix_cache_hits", "vllm:prefix_cache_hits",
                  "prompt tokens found in the prefix cache (not computed)", st.prefix_cache_hits)):
             yield CounterMetricFamily(ridge_name, text, value=value)
-            family = CounterMetricFamily(vllm_name, text, labels=["model_name"])
-            family.add_metric([self._model_name()], value)
-            yield family
+            yield self._of_model(CounterMetricFamily, vllm_name, text, value)
         yield GaugeMetricFamily("ridge_num_requests_running",
                                 "sequences in the running batch (a request with n samples counts n)",
                                 value=st.num_running)

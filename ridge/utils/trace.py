@@ -42,6 +42,11 @@ def _line(event: dict) -> str:
     return json.dumps(event, separators=(",", ":"), default=str) + ",\n"
 
 
+def _span_event(name: str, start_us: float, end_us: float, tid: int, args: dict) -> dict:
+    return {"name": name, "ph": "X", "ts": round(start_us, 1), "dur": round(end_us - start_us, 1),
+            "pid": os.getpid(), "tid": tid, "args": args}
+
+
 def now_us() -> float:
     return time.perf_counter() * 1e6
 
@@ -125,8 +130,7 @@ class Tracer:
 
     def complete(self, name: str, start_us: float, end_us: float, **args) -> None:
         """A span measured by its caller (start and end in now_us's clock)."""
-        self._write({"name": name, "ph": "X", "ts": round(start_us, 1), "dur": round(end_us - start_us, 1),
-                     "pid": os.getpid(), "tid": self._tid(), "args": args})
+        self._write(_span_event(name, start_us, end_us, self._tid(), args))
 
     def instant(self, name: str, at_us: float | None = None, **args) -> None:
         self._write({"name": name, "ph": "i", "s": "p", "ts": round(now_us() if at_us is None else at_us, 1),
@@ -166,10 +170,8 @@ class Tracer:
         if phase == "start":
             self._gc_start[tid] = now_us()
         elif tid in self._gc_start:
-            start = self._gc_start.pop(tid)
-            self._pending.append({"name": "gc", "ph": "X", "ts": round(start, 1), "dur": round(now_us() - start, 1),
-                                  "pid": os.getpid(), "tid": tid,
-                                  "args": {"generation": info.get("generation"), "collected": info.get("collected")}})
+            self._pending.append(_span_event("gc", self._gc_start.pop(tid), now_us(), tid,
+                                             {"generation": info.get("generation"), "collected": info.get("collected")}))
 
     def _hook(self) -> None:
         gc.callbacks.append(self._on_gc)
